@@ -1,0 +1,24 @@
+"""Local backends behind one interface: `native` (our torch engine) and `llama.cpp`."""
+from __future__ import annotations
+
+from ..errors import BackendUnavailableError
+from .base import Backend
+
+BACKENDS = ("native", "llama.cpp")
+
+
+def create_backend(name: str, model: str = "default", **kwargs) -> Backend:
+    """Build a backend by name. kwargs: n_ctx, threads, and backend-specific options."""
+    if name == "native":
+        from .native import NativeBackend
+
+        return NativeBackend(model, **kwargs)
+    if name in ("llama.cpp", "llama_cpp", "llamacpp"):
+        from .llama_cpp import LlamaCppBackend
+
+        kwargs = {k: v for k, v in kwargs.items() if k in ("n_ctx", "threads")}
+        return LlamaCppBackend(model, **kwargs)
+    raise BackendUnavailableError(f"unknown backend {name!r} (choose from: {', '.join(BACKENDS)})")
+
+
+__all__ = ["Backend", "BACKENDS", "create_backend"]

@@ -1,0 +1,101 @@
+"""The interface every backend offers, and what they share.
+
+`stream_sync` is the generator a backend implements (through
+`generator.generate_stream`); `stream` runs it on a worker thread and hands
+the same events to asyncio code; `generate` collects a whole answer. A
+backend serves one request at a time (a lock), so its KV state is never
+shared by two streams.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+from abc import ABC, abstractmethod
+from typing import AsyncIterator, Iterator
+
+import torch
+
+from ..chat_template import ChatTemplate
+from ..generator import Runner, generate_stream
+from ..request import GenerationRequest, GenerationResult, StreamEvent, Usage
+
+
+class Backend(ABC):
+    name: str = "?"
+    runner: Runner
+    template: ChatTemplate
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+
+    @property
+    def n_ctx(self) -> int:
+        return self.runner.n_ctx
+
+    def tokenize(self, text: str, special: bool = True) -> list[int]:
+        return self.runner.tokenize(text, special)
+
+    def stream_sync(self, request: GenerationRequest, cancel: threading.Event | None = None) -> Iterator[StreamEvent]:
+        """Yield start, delta..., finish. Bad input raises an EdgeRuntimeError before anything is yielded."""
+        with self._lock:
+            yield from generate_stream(self.runner, self.template, request, self.name, cancel)
+
+    async def stream(self, request: GenerationRequest, prefix: str | None = None) -> AsyncIterator[StreamEvent]:
+        """Async view of `stream_sync`; `prefix` overrides request.prefix (assistant text to continue)."""
+        if prefix is not None:
+            request.prefix = prefix
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        cancel = threading.Event()
+        done = object()
+
+        def work() -> None:
+            try:
+                for ev in self.stream_sync(request, cancel):
+                    loop.call_soon_threadsafe(queue.put_nowait, ev)
+            except Exception as e:  # errors travel in the stream
+                loop.call_soon_threadsafe(queue.put_nowait, StreamEvent("error", error=str(e), source="local",
+                                                                       info={"code": getattr(e, "code", "internal")}))
+            finally:
+                loop.call_soon_threadsafe(queue.put_nowait, done)
+
+        thread = threading.Thread(target=work, daemon=True)
+        thread.start()
+        try:
+            while (ev := await queue.get()) is not done:
+                yield ev
+        finally:
+            cancel.set()
+
+    def generate(self, request: GenerationRequest, on_delta=None) -> GenerationResult:
+        text, ids, finish, usage, info = [], [], "length", Usage(), {}
+        for ev in self.stream_sync(request):
+            if ev.type == "delta":
+                text.append(ev.text)
+                ids.extend(ev.token_ids)
+                if on_delta is not None:
+                    on_delta(ev)
+            elif ev.type == "finish":
+                finish, usage, info = ev.finish_reason, ev.usage, ev.info
+        return GenerationResult(text="".join(text), token_ids=ids, finish_reason=finish, usage=usage,
+                                backend=self.name, ttft_ms=info.get("ttft_ms", 0.0),
+                                decode_tok_per_s=info.get("decode_tok_per_s", 0.0), timings=info)
+
+    @abstractmethod
+    def logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Teacher-forced logits fp32 [len(token_ids), vocab] from a fresh context (perplexity, agreement)."""
+
+    def perplexity(self, token_ids: list[int], n_ctx: int) -> dict:
+        """llama.cpp's method: non-overlapping windows of n_ctx tokens, scoring the second half of each."""
+        nll, count = 0.0, 0
+        first = n_ctx // 2
+        for start in range(0, len(token_ids) - n_ctx + 1, n_ctx):
+            window = token_ids[start:start + n_ctx]
+            logp = torch.log_softmax(self.logits(window), dim=-1)
+            targets = torch.tensor(window[first + 1:])
+            nll -= float(logp[first:-1].gather(1, targets[:, None]).sum())
+            count += len(targets)
+        if count == 0:
+            return {"ppl": float("nan"), "tokens": 0, "windows": 0}
+        return {"ppl": math.exp(nll / count), "tokens": count, "windows": (len(token_ids) // n_ctx)}

@@ -1,0 +1,115 @@
+"""`edge-runtime bench decode`: native vs llama.cpp on the same GGUF, in one run.
+
+Each backend is measured in its own fresh process (so peak RSS and warm start
+are its own) through the same runner-level loop: prefill of a 512-token
+prompt, then 100-token prompt + 128 greedy decode steps, medians of
+`--repeats`. Warm start is timed from the start of model loading to the first
+token, after one untimed run has filled the compile cache. Results are written
+as JSON with the ratios native / llama.cpp.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+from .errors import EdgeRuntimeError
+
+PROSE = os.path.join(os.path.dirname(__file__), "data", "gpl-3.0.txt")
+PREFILL_TOKENS, DECODE_PROMPT_TOKENS, DECODE_TOKENS = 512, 100, 128
+
+
+def _prose_ids(backend, n: int) -> list[int]:
+    with open(PROSE, encoding="utf-8") as f:
+        ids = backend.tokenize(f.read(), special=False)
+    assert len(ids) >= n
+    return ids[:n]
+
+
+def measure(backend_name: str, model: str, threads: int | None, repeats: int) -> dict:
+    """Runs inside the worker process. Returns this backend's figures."""
+    import resource
+
+    import torch
+
+    from .backends import create_backend
+
+    t0 = time.perf_counter()
+    backend = create_backend(backend_name, model, n_ctx=2048, threads=threads)
+    runner = backend.runner
+    first = runner.prefill(backend.tokenize("Hello", special=False))
+    int(torch.argmax(first))
+    warm_start_s = time.perf_counter() - t0
+
+    ids = _prose_ids(backend, PREFILL_TOKENS)
+    prefill = []
+    for _ in range(repeats + 1):  # the first run warms up
+        runner.reset()  # drop the cached prefix so the whole prompt is evaluated
+        t = time.perf_counter()
+        runner.prefill(ids)
+        prefill.append(PREFILL_TOKENS / (time.perf_counter() - t))
+    decode = []
+    prompt = ids[:DECODE_PROMPT_TOKENS]
+    for _ in range(repeats + 1):
+        runner.reset()
+        logits = runner.prefill(prompt)
+        t = time.perf_counter()
+        for _ in range(DECODE_TOKENS):
+            logits = runner.step(int(torch.argmax(logits)))
+        decode.append(DECODE_TOKENS / (time.perf_counter() - t))
+    return {
+        "prefill_tok_s": statistics.median(prefill[1:]),
+        "decode_tok_s": statistics.median(decode[1:]),
+        "prefill_runs": prefill[1:],
+        "decode_runs": decode[1:],
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "warm_start_to_first_token_s": warm_start_s,
+        "threads": threads or torch.get_num_threads(),
+    }
+
+
+def _worker(backend_name: str, model: str, threads: int | None, repeats: int) -> dict:
+    cmd = [sys.executable, "-m", "edge_runtime.bench", backend_name, model, str(threads or 0), str(repeats)]
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise EdgeRuntimeError(f"bench worker for {backend_name} failed: {proc.stderr.strip()[-2000:]}")
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out["process_wall_s"] = time.perf_counter() - t
+    return out
+
+
+def run_bench(args) -> int:
+    if args.name != "decode":
+        raise EdgeRuntimeError(f"unknown benchmark {args.name!r}")
+    import torch
+
+    threads = args.threads or torch.get_num_threads()
+    # One untimed native start fills the compile cache, so the timed runs measure a warm start.
+    _worker("native", args.model, threads, 0) if args.repeats > 0 else None
+    res = {"benchmark": "decode", "model": args.model, "threads": threads,
+           "workload": {"prefill_prompt_tokens": PREFILL_TOKENS, "decode_prompt_tokens": DECODE_PROMPT_TOKENS,
+                        "decode_tokens": DECODE_TOKENS, "repeats": args.repeats},
+           "native": _worker("native", args.model, threads, args.repeats),
+           "llama_cpp": _worker("llama.cpp", args.model, threads, args.repeats)}
+    res["decode_ratio"] = res["native"]["decode_tok_s"] / res["llama_cpp"]["decode_tok_s"]
+    res["prefill_ratio"] = res["native"]["prefill_tok_s"] / res["llama_cpp"]["prefill_tok_s"]
+    res["targets"] = {"decode_ratio": 1.0, "prefill_ratio": 1.0, "warm_start_to_first_token_s": 2.0}
+    res["date"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    for k in ("native", "llama_cpp"):
+        r = res[k]
+        print(f"{k:10s} prefill {r['prefill_tok_s']:7.1f} tok/s  decode {r['decode_tok_s']:6.1f} tok/s  "
+              f"peak RSS {r['peak_rss_mib']:6.0f} MiB  warm start->first token {r['warm_start_to_first_token_s']:.2f} s")
+    print(f"decode_ratio {res['decode_ratio']:.3f}  prefill_ratio {res['prefill_ratio']:.3f} (native / llama.cpp)")
+    if args.json_file:
+        with open(args.json_file, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    name, model, thr, rep = sys.argv[1:5]
+    print(json.dumps(measure(name, model, int(thr) or None, int(rep))))

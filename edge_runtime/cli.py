@@ -1,0 +1,167 @@
+"""`edge-runtime` command line: generate, chat, perplexity, bench.
+
+Converts arguments into requests and prints results; user errors become one
+line on stderr and exit status 2, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from .errors import EdgeRuntimeError
+
+
+def _add_model_args(p: argparse.ArgumentParser, backend: bool = True) -> None:
+    p.add_argument("--model", default="default", help="'default' (embedded SmolLM2-135M-Instruct Q4_1) or a GGUF path")
+    if backend:
+        p.add_argument("--backend", default="native", choices=["native", "llama.cpp"])
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--ctx", type=int, default=4096, help="context window in tokens")
+    p.add_argument("--quant", default="int4", choices=["int4", "int8", "bf16", "fp32"],
+                   help="native backend weight format (int4 keeps GGUF 4-bit weights packed; fp32 is the reference)")
+    p.add_argument("--no-compile", action="store_true", help="native backend: run eagerly (no torch.compile)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def make_backend(args):
+    from .backends import create_backend
+
+    kwargs = {"n_ctx": args.ctx, "threads": args.threads}
+    if args.backend == "native":
+        kwargs.update(quant=args.quant, compile=False if args.no_compile else "auto")
+    return create_backend(args.backend, args.model, **kwargs)
+
+
+def sampling_params(args):
+    from .request import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          seed=args.seed, stop=list(args.stop))
+
+
+def cmd_generate(args) -> int:
+    from .request import GenerationRequest
+
+    params = sampling_params(args)  # validate before loading anything
+    if args.raw:
+        request = GenerationRequest(prompt=args.prompt, params=params)
+    else:
+        request = GenerationRequest(messages=[{"role": "user", "content": args.prompt}], params=params)
+    backend = make_backend(args)
+    out = sys.stdout
+    show = (lambda ev: (out.write(ev.text), out.flush())) if not args.json else None
+    result = backend.generate(request, on_delta=show)
+    if args.json:
+        print(json.dumps({
+            "text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
+            "backend": result.backend, "model": os.path.basename(getattr(backend, "path", args.model)),
+            "prompt_tokens": result.usage.prompt_tokens, "completion_tokens": result.usage.completion_tokens,
+            "ttft_ms": round(result.ttft_ms, 2), "decode_tok_per_s": round(result.decode_tok_per_s, 2),
+        }, ensure_ascii=False))
+    else:
+        out.write("\n")
+        print(f"[{result.backend}: {result.usage.completion_tokens} tokens, finish={result.finish_reason}, "
+              f"ttft {result.ttft_ms:.0f} ms, {result.decode_tok_per_s:.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from .chat import ChatSession
+
+    return ChatSession(make_backend(args), sampling_params(args)).run(sys.stdin, sys.stdout)
+
+
+def cmd_perplexity(args) -> int:
+    from .backends import create_backend
+
+    try:
+        with open(args.file, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise EdgeRuntimeError(f"cannot read {args.file}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise EdgeRuntimeError(f"{args.file} is not UTF-8 text") from None
+    kwargs = {"n_ctx": args.ctx, "threads": args.threads}
+    if args.backend == "native":
+        kwargs.update(quant=args.quant, compile=False)
+    backend = create_backend(args.backend, args.model, **kwargs)
+    ids = backend.tokenize(text, special=False)
+    if len(ids) < args.ctx:
+        raise EdgeRuntimeError(f"{args.file} has {len(ids)} tokens; perplexity needs at least --ctx {args.ctx}")
+    t0 = time.perf_counter()
+    res = backend.perplexity(ids, args.ctx)
+    res.update(backend=backend.name, ctx=args.ctx, seconds=round(time.perf_counter() - t0, 2))
+    print(json.dumps(res) if args.json else f"perplexity {res['ppl']:.4f} over {res['tokens']} scored tokens "
+          f"({res['windows']} windows of {args.ctx}, backend {backend.name})")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench import run_bench
+
+    return run_bench(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="edge-runtime", description="Hybrid local/cloud LLM inference runtime")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="stream one answer")
+    _add_model_args(g)
+    _add_sampling_args(g)
+    g.add_argument("--raw", action="store_true", help="send PROMPT as is, without the chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.add_argument("prompt")
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive streaming assistant (/reset, /quit)")
+    _add_model_args(c)
+    _add_sampling_args(c)
+    c.set_defaults(func=cmd_chat, max_tokens=512)
+
+    p = sub.add_parser("perplexity", help="perplexity of a UTF-8 text file")
+    _add_model_args(p)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("file")
+    p.set_defaults(func=cmd_perplexity, ctx=512)
+
+    b = sub.add_parser("bench", help="benchmarks (each against its anchor, in one run)")
+    b.add_argument("name", choices=["decode"])
+    b.add_argument("--model", default="default")
+    b.add_argument("--threads", type=int, default=None)
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--json", dest="json_file", default=None, help="write results to this JSON file")
+    b.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except EdgeRuntimeError as e:
+        print(f"edge-runtime: error: {e.message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""The generation loop every local backend shares.
+
+A backend supplies a `Runner` (tokenize, evaluate a prompt reusing whatever
+prefix it already holds, evaluate one more token); this loop renders the
+prompt, checks the context, samples, detokenizes incrementally, applies stop
+strings and limits, and yields `StreamEvent`s. It knows nothing about how
+logits are computed.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Iterator, Protocol
+
+import torch
+
+from .chat_template import ChatTemplate
+from .detokenizer import IncrementalDetokenizer
+from .errors import ContextLengthError
+from .request import GenerationRequest, StreamEvent, Usage
+from .sampler import Sampler
+from .stop_matcher import StopMatcher
+
+
+class Runner(Protocol):
+    n_ctx: int
+    eog_ids: set[int]
+    add_bos: bool
+    bos_id: int | None
+
+    def tokenize(self, text: str, special: bool = True) -> list[int]: ...
+    def token_bytes(self, token_id: int) -> bytes: ...
+    def prefill(self, token_ids: list[int]) -> torch.Tensor: ...  # logits [vocab] after the last id
+    def step(self, token_id: int) -> torch.Tensor: ...  # append one token -> logits [vocab]
+    def reset(self) -> None: ...  # forget the cached prefix
+
+
+def build_prompt(request: GenerationRequest, template: ChatTemplate) -> str:
+    """The text the model continues: the chat template (or raw prompt) plus any assistant prefix."""
+    if request.messages is not None:
+        return template.render(request.messages, add_generation_prompt=True) + request.prefix
+    return request.prompt + request.prefix
+
+
+def prompt_ids(runner: Runner, text: str) -> list[int]:
+    ids = runner.tokenize(text, special=True)
+    if runner.add_bos and runner.bos_id is not None and (not ids or ids[0] != runner.bos_id):
+        ids = [runner.bos_id] + ids
+    return ids
+
+
+def generate_stream(runner: Runner, template: ChatTemplate, request: GenerationRequest, backend: str,
+                    cancel: threading.Event | None = None) -> Iterator[StreamEvent]:
+    """Yield start, delta..., finish for one request. Raises EdgeRuntimeError before 'start' on bad input."""
+    params = request.params
+    ids = prompt_ids(runner, build_prompt(request, template))
+    if not ids:
+        ids = [runner.bos_id if runner.bos_id is not None else 0]
+    if len(ids) >= runner.n_ctx:
+        raise ContextLengthError(
+            f"prompt is {len(ids)} tokens but the context window is {runner.n_ctx} tokens "
+            f"(at least one token must be left to generate)"
+        )
+    sampler = Sampler(params)
+    detok = IncrementalDetokenizer(runner.token_bytes)
+    stops = StopMatcher(params.stop)
+    seq = 0
+    t_start = time.perf_counter()
+    yield StreamEvent("start", info={"backend": backend, "prompt_tokens": len(ids)})
+    logits = runner.prefill(ids)
+    t_first = None
+    history = list(ids)
+    generated: list[int] = []
+    finish = "length"
+    stop_hit = False
+    while True:
+        if cancel is not None and cancel.is_set():
+            finish = "cancelled"
+            break
+        token = sampler.sample(logits, history)
+        if t_first is None:
+            t_first = time.perf_counter()
+        if token in runner.eog_ids:
+            finish = "stop"
+            break
+        generated.append(token)
+        history.append(token)
+        text, hit = stops.push(detok.push(token))
+        if text or not hit:
+            yield StreamEvent("delta", seq=seq, text=text, token_ids=[token])
+            seq += 1
+        if hit:
+            finish, stop_hit = "stop", True
+            break
+        if len(generated) >= params.max_tokens or len(history) >= runner.n_ctx:
+            finish = "length"
+            break
+        logits = runner.step(token)
+    if not stop_hit:
+        tail, _ = stops.push(detok.flush())
+        tail += stops.flush()
+        if tail:
+            yield StreamEvent("delta", seq=seq, text=tail, token_ids=[])
+            seq += 1
+    t_end = time.perf_counter()
+    t_first = t_first or t_end
+    decode_s = t_end - t_first
+    info = {
+        "backend": backend,
+        "ttft_ms": (t_first - t_start) * 1000.0,
+        "decode_tok_per_s": (len(generated) - 1) / decode_s if len(generated) > 1 and decode_s > 0 else 0.0,
+        "total_s": t_end - t_start,
+    }
+    yield StreamEvent("finish", seq=seq, finish_reason=finish,
+                      usage=Usage(prompt_tokens=len(ids), completion_tokens=len(generated)), info=info)

