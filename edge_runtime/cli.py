@@ -20,9 +20,12 @@ def _add_model_args(p: argparse.ArgumentParser, backend: bool = True) -> None:
         p.add_argument("--backend", default="native", choices=["native", "llama.cpp"])
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--ctx", type=int, default=4096, help="context window in tokens")
-    p.add_argument("--quant", default="int4", choices=["int4", "int8", "bf16", "fp32"],
-                   help="native backend weight format (int4 keeps GGUF 4-bit weights packed; fp32 is the reference)")
-    p.add_argument("--no-compile", action="store_true", help="native backend: run eagerly (no torch.compile)")
+    p.add_argument("--quant", default="auto", choices=["auto", "gguf", "int4", "int8", "bf16", "fp32"],
+                   help="native backend weights: gguf = the file's blocks with our AVX2 kernels, int4 = torch's "
+                        "packed int4, fp32 = dequantized reference; auto = gguf where the kernels run, else int4")
+    p.add_argument("--compile", action="store_true", help="native backend: torch.compile the decode step "
+                   "(cached on disk; off by default: it does not pay with the default kernels here)")
+    p.add_argument("--device", default="cpu", help="native backend: torch device (cpu, cuda, mps)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -41,7 +44,7 @@ def make_backend(args):
 
     kwargs = {"n_ctx": args.ctx, "threads": args.threads}
     if args.backend == "native":
-        kwargs.update(quant=args.quant, compile=False if args.no_compile else "auto")
+        kwargs.update(quant=args.quant, device=args.device, compile=True if args.compile else "auto")
     return create_backend(args.backend, args.model, **kwargs)
 
 
@@ -97,7 +100,7 @@ def cmd_perplexity(args) -> int:
         raise EdgeRuntimeError(f"{args.file} is not UTF-8 text") from None
     kwargs = {"n_ctx": args.ctx, "threads": args.threads}
     if args.backend == "native":
-        kwargs.update(quant=args.quant, compile=False)
+        kwargs.update(quant=args.quant, device=args.device, compile=False)
     backend = create_backend(args.backend, args.model, **kwargs)
     ids = backend.tokenize(text, special=False)
     if len(ids) < args.ctx:

@@ -24,8 +24,8 @@ from .model_config import ModelConfig
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # x: [num_tokens, dim] fp32
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    # x: [num_tokens, dim] fp32; one fused op (x * rsqrt(mean(x^2) + eps) * weight)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def rope_tables(cfg: ModelConfig, n_ctx: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,24 +67,29 @@ class Block(nn.Module):
         qkv = self.wqkv(rms_norm(x, self.attn_norm, self.eps))  # [T, (nh + 2 nkv) hd]
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
-        q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-        q = apply_rope(q.view(num_tokens, nh, hd), cos, sin)
-        k = apply_rope(k.view(num_tokens, nkv, hd), cos, sin)
+        # RoPE on q and k together: [T, nh + nkv, hd]
+        qk = apply_rope(qkv[:, :(nh + nkv) * hd].view(num_tokens, nh + nkv, hd), cos, sin)
+        q, k = qk[:, :nh], qk[:, nh:]
+        v = qkv[:, (nh + nkv) * hd:].view(num_tokens, nkv, hd)
         end = pos0 + num_tokens
         k_cache[:, pos0:end] = k.transpose(0, 1)
-        v_cache[:, pos0:end] = v.view(num_tokens, nkv, hd).transpose(0, 1)
+        v_cache[:, pos0:end] = v.transpose(0, 1)
         keys, values = k_cache[:, :end], v_cache[:, :end]  # [nkv, S, hd]
         # Group the query heads of each KV head: [nkv, group * T, hd]; K/V are never repeated.
-        qg = q.view(num_tokens, nkv, group, hd).permute(1, 2, 0, 3).reshape(nkv, group * num_tokens, hd)
-        scores = torch.bmm(qg, keys.transpose(1, 2)) * self.scale  # [nkv, group * T, S]
-        if num_tokens > 1:
+        qg = q.reshape(num_tokens, nkv, group, hd).permute(1, 2, 0, 3).reshape(nkv, group * num_tokens, hd)
+        if num_tokens == 1:  # decode: every cached key is visible, one fused attention op
+            attn = F.scaled_dot_product_attention(qg.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+                                                  scale=self.scale)[0]  # [nkv, group, hd]
+            attn = attn.reshape(1, nh * hd)
+        else:
+            scores = torch.bmm(qg, keys.transpose(1, 2)) * self.scale  # [nkv, group * T, S]
             rows = torch.arange(num_tokens, device=x.device).view(num_tokens, 1) + pos0
             cols = torch.arange(end, device=x.device).view(1, end)
             mask = torch.zeros(num_tokens, end, device=x.device).masked_fill(cols > rows, float("-inf"))
             scores = (scores.view(nkv, group, num_tokens, end) + mask).view(nkv, group * num_tokens, end)
-        probs = torch.softmax(scores, dim=-1)
-        attn = torch.bmm(probs, values)  # [nkv, group * T, hd]
-        attn = attn.view(nkv, group, num_tokens, hd).permute(2, 0, 1, 3).reshape(num_tokens, nh * hd)
+            probs = torch.softmax(scores, dim=-1)
+            attn = torch.bmm(probs, values)  # [nkv, group * T, hd]
+            attn = attn.view(nkv, group, num_tokens, hd).permute(2, 0, 1, 3).reshape(num_tokens, nh * hd)
         x = x + self.wo(attn)
         gate_up = self.w_gate_up(rms_norm(x, self.ffn_norm, self.eps))  # [T, 2 * hidden]
         gate, up = gate_up.split([self.hidden_dim, self.hidden_dim], dim=-1)

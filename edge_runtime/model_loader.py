@@ -15,6 +15,7 @@ import os
 import numpy as np
 import torch
 
+from kernels import gguf_linear
 from kernels.quant_linear import pack_embedding, pack_weight
 
 from .errors import ModelFileError, UnsupportedModelError
@@ -22,7 +23,8 @@ from .gguf_file import GGUFFile
 from .model import Block, Transformer
 from .model_config import ModelConfig
 
-QUANT_MODES = ("int4", "int8", "bf16", "fp32")
+QUANT_MODES = ("auto", "gguf", "int4", "int8", "bf16", "fp32")
+PREFILL_DENSE_MIN_TOKENS = 64
 
 
 def _unpermute_rows(num_heads: int, rows: int) -> np.ndarray:
@@ -77,6 +79,10 @@ class _Tensors:
         else:
             data = np.concatenate([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
             qtype, in_f = parts[0][0], parts[0][3]
+        if quant == "gguf":
+            if gguf_linear.supported(qtype) and torch.device(device).type == "cpu":
+                return gguf_linear.GGUFLinear(qtype, data, (data.shape[0], in_f))
+            quant = "int8_block" if qtype.name == "Q8_0" else "int4"  # no AVX2 kernel for this type
         return pack_weight(qtype, data, (data.shape[0], in_f), quant, name=names[0]).to(device)
 
 
@@ -102,7 +108,7 @@ def _packed_cache_file(gf: GGUFFile, quant: str, head_quant: str | None) -> str:
     return os.path.join(folder, h.hexdigest()[:24] + ".pt")
 
 
-def load_model(path: str, quant: str = "int4", device: str | torch.device = "cpu",
+def load_model(path: str, quant: str = "auto", device: str | torch.device = "cpu",
                head_quant: str | None = None, cache: bool = True) -> tuple[Transformer, GGUFFile]:
     """Load a GGUF into a Transformer. `quant` is one of QUANT_MODES; `head_quant` overrides the output head's mode.
 
@@ -112,8 +118,12 @@ def load_model(path: str, quant: str = "int4", device: str | torch.device = "cpu
     if quant not in QUANT_MODES:
         raise ValueError(f"quant must be one of {QUANT_MODES}, got {quant!r}")
     device = torch.device(device)
+    if quant == "auto":
+        from kernels import cpu_gemv
+
+        quant = "gguf" if device.type == "cpu" and cpu_gemv.available() else "int4"
     gf = GGUFFile(path)
-    use_cache = cache and quant != "fp32" and device.type == "cpu" and os.environ.get("EDGE_RUNTIME_NO_PACK_CACHE") != "1"
+    use_cache = cache and quant not in ("fp32", "gguf") and device.type == "cpu" and os.environ.get("EDGE_RUNTIME_NO_PACK_CACHE") != "1"
     if use_cache:
         cache_file = _packed_cache_file(gf, quant, head_quant)
         if os.path.exists(cache_file):
@@ -160,6 +170,14 @@ def _build(gf: GGUFFile, quant: str, device: torch.device, head_quant: str | Non
     embedding = pack_embedding(emb_t.tensor_type, np.asarray(emb_t.data).reshape(cfg.vocab_size, -1),
                                (cfg.vocab_size, cfg.dim), name="token_embd.weight").to(device)
     head_name = "output.weight" if "output.weight" in gf.tensors else "token_embd.weight"  # tied embeddings
-    output = ts.linear([head_name], head_quant or quant, device)
+    # The Q8_0 head keeps its codes exactly as int8_block (bf16 block scales) in int4 mode.
+    output = ts.linear([head_name], head_quant or ("int8_block" if quant == "int4" else quant), device)
+    if quant in ("int4", "int8"):
+        # From PREFILL_DENSE_MIN_TOKENS tokens on, one dense fp32 GEMM on weights dequantized for that
+        # call beats the int kernels (they scale linearly with the number of tokens on this CPU).
+        for block in blocks:
+            for lin in (block.wqkv, block.wo, block.w_gate_up, block.w_down):
+                lin.dense_min_tokens = PREFILL_DENSE_MIN_TOKENS
     model = Transformer(cfg, embedding, blocks, ts.vector("output_norm.weight", device), output)
+    model.quant = quant
     return model.eval()

@@ -83,7 +83,7 @@ def test_unsupported_tensor_type(tmp_path):
 
 
 def test_prompt_longer_than_context():
-    bad(["generate", "--no-compile", "--ctx", "32", "word " * 60], "context window is 32 tokens")
+    bad(["generate", "--ctx", "32", "word " * 60], "context window is 32 tokens")
 
 
 @pytest.mark.parametrize("flag, value, name", [("--temperature", "-1", "temperature"), ("--top-p", "0", "top_p"),
@@ -93,7 +93,7 @@ def test_invalid_sampling_values(flag, value, name):
 
 
 def test_chat_keeps_history_resets_and_survives_ctrl_c():
-    proc = subprocess.Popen([sys.executable, "-m", "edge_runtime", "chat", "--max-tokens", "400", "--no-compile"],
+    proc = subprocess.Popen([sys.executable, "-m", "edge_runtime", "chat", "--max-tokens", "400"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=ROOT, bufsize=1)
     try:
@@ -114,3 +114,9 @@ def test_chat_keeps_history_resets_and_survives_ctrl_c():
     assert "[stopped]" in out and "[history cleared]" in out
     after_stop = out.split("[stopped]")[1].split("[history cleared]")
     assert after_stop[0].strip() and after_stop[1].strip()  # it went on answering, before and after /reset
+
+
+def test_unavailable_device():
+    if __import__("torch").cuda.is_available():
+        pytest.skip("CUDA is present")
+    bad(["generate", "--device", "cuda", "hi"], "CUDA is not available")

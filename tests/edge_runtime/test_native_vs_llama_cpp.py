@@ -26,8 +26,9 @@ CHAT = [{"role": "user", "content": "Give me three tips for staying focused whil
 
 
 # The issue's target is 97 %; the fp32 reference itself agrees 96.0 % with llama.cpp on this set
-# (llama.cpp quantizes activations), so the floor here guards what the int4 path reaches today.
-AGREEMENT_FLOOR = 0.94
+# (llama.cpp quantizes activations to 8 bits), and the native default path equals that reference, so
+# the floor here guards what it reaches today (96.05 %).
+AGREEMENT_FLOOR = 0.955
 
 
 def test_teacher_forced_top1_agreement_with_llama_cpp(native_backend, llama_backend, prose):
@@ -42,7 +43,7 @@ def test_teacher_forced_top1_agreement_with_llama_cpp(native_backend, llama_back
         total += len(ids)
     assert total >= 500
     rate = agree / total
-    print(f"top-1 agreement native int4 vs llama.cpp: {rate:.4f} over {total} positions")
+    print(f"top-1 agreement native vs llama.cpp: {rate:.4f} over {total} positions")
     assert rate >= AGREEMENT_FLOOR
 
 

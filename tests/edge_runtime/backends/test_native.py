@@ -11,16 +11,24 @@ def chat(text, **params):
     return GenerationRequest(messages=[{"role": "user", "content": text}], params=SamplingParams(**params))
 
 
-@pytest.fixture(scope="module")
-def eager_backend(model_path):
-    return NativeBackend(model_path, n_ctx=2048, compile=False)
-
-
-def test_compiled_decode_is_lossless(native_backend, eager_backend):
-    assert native_backend.compiled and not eager_backend.compiled
+def test_compiled_decode_is_lossless(model_path):
+    # On fp32 weights compiling only reorders float sums: greedy tokens must not change.
+    compiled = NativeBackend(model_path, n_ctx=1024, quant="fp32", compile=True)
+    eager = NativeBackend(model_path, n_ctx=1024, quant="fp32", compile=False)
+    assert compiled.compiled and not eager.compiled
     for prompt in ["Name three planets.", "Write a haiku about autumn."]:
         req = chat(prompt, max_tokens=40)
-        assert native_backend.generate(req).token_ids == eager_backend.generate(req).token_ids
+        assert compiled.generate(req).token_ids == eager.generate(req).token_ids
+
+
+def test_gguf_kernels_agree_with_fp32_reference(native_backend, model_path):
+    # The default CPU path keeps the file's blocks and multiplies in fp32: greedy output equals
+    # the dequantized fp32 reference's.
+    assert native_backend.quant == "gguf"
+    ref = NativeBackend(model_path, n_ctx=1024, quant="fp32", compile=False)
+    for prompt in ["Name three planets.", "Write a haiku about autumn."]:
+        req = chat(prompt, max_tokens=40)
+        assert native_backend.generate(req).token_ids == ref.generate(req).token_ids
 
 
 def test_chunked_prefill_matches_one_pass(model_path, prose):

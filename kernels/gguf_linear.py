@@ -1,0 +1,67 @@
+"""A linear layer that keeps the GGUF's own blocks and multiplies with our AVX2 kernels.
+
+`GGUFLinear` stores the weight exactly as the file does (raw Q4_0 / Q4_1 / Q8_0 / Q4_K
+rows, rows of several tensors may be concatenated), so nothing is requantized or
+rounded: decode (up to `cpu_gemv.MAX_M` tokens) runs `cpu_gemv`'s fp32-activation GEMV,
+and prefill dequantizes the rows to fp32 for that call (`cpu_gemv.dequantize`) and runs
+one dense GEMM. CPU only: `.to()` another device is refused; the loader uses
+`quant_linear` (torch's int4/int8 kernels) there.
+
+It knows nothing about models: callers decide which rows to fuse.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from torch import nn
+
+from . import cpu_gemv
+
+KIND_OF = {GGMLQuantizationType.Q4_0: "q4_0", GGMLQuantizationType.Q4_1: "q4_1",
+           GGMLQuantizationType.Q8_0: "q8_0", GGMLQuantizationType.Q4_K: "q4_k"}
+
+
+def supported(qtype: GGMLQuantizationType) -> bool:
+    """True when this type has a kernel and the kernels are built for this machine."""
+    return qtype in KIND_OF and cpu_gemv.available()
+
+
+class GGUFLinear(nn.Module):
+    def __init__(self, qtype: GGMLQuantizationType, data: np.ndarray, shape: tuple[int, int]):
+        super().__init__()
+        self.kind = KIND_OF[qtype]
+        self.out_features, self.in_features = (int(s) for s in shape)
+        values, nbytes = cpu_gemv.BLOCK[self.kind]
+        rows = np.array(np.asarray(data).view(np.uint8).reshape(self.out_features, -1), copy=True)  # own, writable
+        assert rows.shape[1] == self.in_features // values * nbytes, (rows.shape, shape)
+        self.register_buffer("weight", torch.from_numpy(rows))  # uint8 [N, row_bytes], as in the file
+        self.mode = "gguf"
+        self.dense_min_tokens = cpu_gemv.MAX_M + 1  # from here on: dequantize + one dense GEMM
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}"
+
+    def _apply(self, fn, recurse=True):
+        out = fn(self.weight)
+        if out.device.type != "cpu" or out.dtype != torch.uint8:
+            raise RuntimeError("GGUFLinear holds raw GGUF blocks for the CPU kernels; load with quant='int4' "
+                               "for other devices")
+        return self
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """fp32 [N, K], exactly the file's values."""
+        return cpu_gemv.dequantize(self.kind, self.weight, self.out_features, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)  # [num_tokens, in_features]
+        if x2.shape[0] < self.dense_min_tokens:
+            if torch.compiler.is_compiling():
+                y = torch.ops.edge_runtime.gguf_gemv(self.weight, x2.float().contiguous(), self.kind, self.out_features)
+            else:  # eager: straight to the kernel, skipping the dispatcher (~6 us a call)
+                y = cpu_gemv.gemv(self.kind, self.weight, x2, self.out_features)
+        else:
+            y = F.linear(x2.float(), self.dequantized_weight())
+        return y.to(x.dtype).reshape(*lead, self.out_features)
