@@ -43,6 +43,8 @@ def measure(backend_name: str, model: str, threads: int | None, repeats: int) ->
     first = runner.prefill(backend.tokenize("Hello", special=False))
     int(torch.argmax(first))
     warm_start_s = time.perf_counter() - t0
+    if repeats == 0:  # the warm-up run only fills caches
+        return {"warm_start_to_first_token_s": warm_start_s}
 
     ids = _prose_ids(backend, PREFILL_TOKENS)
     prefill = []
