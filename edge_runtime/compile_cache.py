@@ -13,7 +13,6 @@ import os
 import sys
 import time
 
-import torch
 
 
 def cache_root() -> str:

@@ -107,6 +107,7 @@ class Transformer(nn.Module):
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
         self.block_step = None  # set by enable_compile(): the compiled decode step of one block
+        self.fused = None  # set by enable_fused(): FusedDecoder for one-token steps
 
     @property
     def device(self) -> torch.device:
@@ -120,6 +121,13 @@ class Transformer(nn.Module):
         self.cos, self.sin = rope_tables(cfg, n_ctx, self.device)
         self.n_ctx = n_ctx
 
+    def enable_fused(self, lib) -> bool:
+        """Route one-token steps through the C-fused decoder (see fused_decode.py) when it applies."""
+        from .fused_decode import FusedDecoder
+
+        self.fused = FusedDecoder(self, lib) if lib is not None and FusedDecoder.usable(self) else None
+        return self.fused is not None
+
     def enable_compile(self, **compile_kwargs) -> None:
         """Compile the one-token block step. All blocks share one graph (their weights are inputs)."""
         self.block_step = torch.compile(_block_forward, **compile_kwargs)
@@ -129,6 +137,8 @@ class Transformer(nn.Module):
         """token_ids: [T] at positions pos0.. -> logits fp32 [T, vocab] (or [1, vocab] for the last)."""
         num_tokens = token_ids.shape[0]
         assert pos0 + num_tokens <= self.n_ctx, "caller checks the context length"
+        if num_tokens == 1 and self.fused is not None:
+            return self.fused.step(int(token_ids[0]), pos0)
         x = self.embedding(token_ids)
         cos = self.cos[pos0:pos0 + num_tokens].unsqueeze(1)  # [T, 1, hd]
         sin = self.sin[pos0:pos0 + num_tokens].unsqueeze(1)

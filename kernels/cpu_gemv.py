@@ -36,7 +36,8 @@ BLOCK = {"q4_0": (32, 18), "q4_1": (32, 20), "q8_0": (32, 34), "q4_k": (256, 144
 MAX_M = 8
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SOURCE = os.path.join(_HERE, "cpu_gemv.c")
-_SOURCES = [_SOURCE, os.path.join(_HERE, "cpu_dequant.c")]  # one library: GEMV + dequantization
+# one library: GEMV, dequantization, and the fused small ops of a decode step
+_SOURCES = [_SOURCE, os.path.join(_HERE, "cpu_dequant.c"), os.path.join(_HERE, "cpu_decode.c")]
 FLAGS = ["-O3", "-march=native", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 SCALAR_FLAGS = ["-O3", "-march=x86-64", "-fopenmp", "-shared", "-fPIC"]  # no AVX2: the scalar fallback
 # (w uint8*, N, K, x float*, M, y float*, num_threads) -> int rc
@@ -75,7 +76,7 @@ def build(flags: list[str] | None = None) -> str:
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=folder)
     os.close(fd)
     try:
-        res = subprocess.run(["gcc", *flags, *_SOURCES, "-o", tmp], capture_output=True, text=True, timeout=300)
+        res = subprocess.run(["gcc", *flags, *_SOURCES, "-lm", "-o", tmp], capture_output=True, text=True, timeout=300)
         if res.returncode:
             raise RuntimeError(f"gcc failed on {_SOURCE}:\n{res.stderr[-4000:]}")
         os.replace(tmp, path)  # atomic: a concurrent build of the same key just overwrites an identical file
@@ -101,6 +102,14 @@ class _Library:
         self.dequantize.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                                     ctypes.c_int]
         self.dequantize.restype = ctypes.c_int
+        p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+        self.add_rmsnorm = self.lib.decode_add_rmsnorm
+        self.add_rmsnorm.argtypes, self.add_rmsnorm.restype = [p, p, p, i, f, p], None
+        self.rope_attend = self.lib.decode_rope_attend
+        self.rope_attend.argtypes = [p, i, i, i, p, p, p, p, i, i, f, p, p]
+        self.rope_attend.restype = None
+        self.silu_mul = self.lib.decode_silu_mul
+        self.silu_mul.argtypes, self.silu_mul.restype = [p, i, p], None
 
 
 @functools.cache
@@ -116,6 +125,11 @@ def _load() -> tuple[_Library | None, str]:
         return None, "gcc not found"
     except (RuntimeError, OSError, subprocess.SubprocessError) as e:
         return None, f"cpu_gemv build or load failed: {e}"
+
+
+def library():
+    """The loaded build (or None): its `add_rmsnorm`, `rope_attend`, `silu_mul` serve `edge_runtime.model`."""
+    return _load()[0]
 
 
 def available() -> bool:
@@ -140,6 +154,11 @@ def set_num_threads(n: int) -> None:
     """Threads for every later call; n <= 0 restores the default, torch.get_num_threads()."""
     global _num_threads
     _num_threads = max(0, int(n))
+
+
+def threads() -> int:
+    """Threads the kernels use now: the set_num_threads() value, else torch.get_num_threads()."""
+    return _num_threads or torch.get_num_threads()
 
 
 def gemv(kind: str, weight: torch.Tensor, x: torch.Tensor, out_features: int,

@@ -60,8 +60,13 @@ class GGUFLinear(nn.Module):
         if x2.shape[0] < self.dense_min_tokens:
             if torch.compiler.is_compiling():
                 y = torch.ops.edge_runtime.gguf_gemv(self.weight, x2.float().contiguous(), self.kind, self.out_features)
-            else:  # eager: straight to the kernel, skipping the dispatcher (~6 us a call)
-                y = cpu_gemv.gemv(self.kind, self.weight, x2, self.out_features)
+            else:  # eager: straight to the C function; shapes were checked once, at construction
+                if x2.dtype != torch.float32 or not x2.is_contiguous():
+                    x2 = x2.float().contiguous()
+                y = torch.empty((x2.shape[0], self.out_features), dtype=torch.float32)  # [M, N]
+                rc = cpu_gemv.library().fns[self.kind](self.weight.data_ptr(), self.out_features, self.in_features,
+                                                       x2.data_ptr(), x2.shape[0], y.data_ptr(), cpu_gemv.threads())
+                assert rc == 0, rc
         else:
             y = F.linear(x2.float(), self.dequantized_weight())
         return y.to(x.dtype).reshape(*lead, self.out_features)

@@ -15,7 +15,9 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/python"
 fi
 echo "[setup] preparing $venv (first run builds llama-cpp-python: ~5 min on 2 cores)" >&2
 [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
-pip=("$venv/bin/python" -m pip install --disable-pip-version-check -q)
+# pip's notes about this machine's unused local package folders are noise: keep everything else.
+quiet() { "$@" 2>&1 | { grep -v "^WARNING: Location 'file://" || true; }; return "${PIPESTATUS[0]}"; }
+pip=(quiet "$venv/bin/python" -m pip install --disable-pip-version-check -q)
 [ -d /opt/wheels ] && pip+=(--find-links /opt/wheels)
 # CPU torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
 "${pip[@]}" "torch==2.13.0"

@@ -87,7 +87,7 @@ class NativeBackend(Backend):
 
     def __init__(self, model: str = "default", n_ctx: int = 4096, threads: int | None = None,
                  quant: str = "auto", device: str = "cpu", compile: bool | str = "auto",
-                 head_quant: str | None = None, progress=None):
+                 head_quant: str | None = None, progress=None, fused: bool = True):
         super().__init__()
         _check_device(device)
         if threads:
@@ -100,6 +100,11 @@ class NativeBackend(Backend):
         self.template = ChatTemplate.from_metadata(gf.metadata)
         n_ctx = min(n_ctx, self.config.max_context)
         self.runner = NativeRunner(self.model, tokenizer, n_ctx)
+        self.fused = False
+        if self.quant == "gguf" and fused:  # our C kernels are built: fuse the small decode ops too
+            from kernels import cpu_gemv
+
+            self.fused = self.model.enable_fused(cpu_gemv.library())
         self.tokenizer = tokenizer
         if compile == "auto":
             # Measured here: with our AVX2 GGUF kernels the eager decode step is faster than the

@@ -13,7 +13,7 @@ import os
 import pytest
 
 from edge_runtime.chat_template import CHATML_TEMPLATE, ChatTemplate
-from edge_runtime.errors import InvalidRequestError, ModelFileError
+from edge_runtime.errors import InvalidRequestError
 
 SMOL_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
@@ -92,16 +92,6 @@ def _smol_expected(messages: list[dict], add_generation_prompt: bool) -> str:
     if add_generation_prompt:
         out.append("<|im_start|>assistant\n")
     return "".join(out)
-
-
-@pytest.fixture(scope="module")
-def model_path() -> str:
-    from edge_runtime.model_path import default_model_path
-
-    try:
-        return default_model_path()
-    except ModelFileError as e:
-        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,5 @@
 """Native quantized engine vs llama.cpp on the same GGUF: agreement, perplexity, same stream shape."""
 import pytest
-import torch
 
 from edge_runtime.request import GenerationRequest, SamplingParams
 

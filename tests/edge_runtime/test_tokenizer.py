@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from edge_runtime.errors import InvalidRequestError, ModelFileError, UnsupportedModelError
+from edge_runtime.errors import InvalidRequestError, UnsupportedModelError
 from edge_runtime.tokenizer import Tokenizer
 
 llama_cpp = pytest.importorskip("llama_cpp")
@@ -67,16 +67,6 @@ def _combined_texts() -> list[str]:
 
 CASES = BASE_TEXTS + _combined_texts()
 OTHER_PRES = ["gpt-2", "llama-bpe", "qwen2"]
-
-
-@pytest.fixture(scope="module")
-def model_path() -> str:
-    from edge_runtime.model_path import default_model_path
-
-    try:
-        return default_model_path()
-    except ModelFileError as e:
-        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="module")

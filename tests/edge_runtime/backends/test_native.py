@@ -1,6 +1,5 @@
 """The native backend on the embedded model: compile is lossless, prefix reuse, limits, seeds, stops."""
 import pytest
-import torch
 
 from edge_runtime.backends.native import NativeBackend
 from edge_runtime.errors import ContextLengthError
