@@ -82,3 +82,52 @@ void decode_silu_mul(const float* gate_up, int hidden, float* out) {
         out[i] = g / (1.0f + expf(-g)) * gate_up[hidden + i];
     }
 }
+
+/* ---- the whole stack of layers for one token in one call ---------------------------------- */
+
+typedef int (*gemv_fn)(const uint8_t*, int, int, const float*, int, float*, int);
+extern int q4_0_gemv(const uint8_t*, int, int, const float*, int, float*, int);
+extern int q4_1_gemv(const uint8_t*, int, int, const float*, int, float*, int);
+extern int q8_0_gemv(const uint8_t*, int, int, const float*, int, float*, int);
+extern int q4_k_gemv(const uint8_t*, int, int, const float*, int, float*, int);
+
+static gemv_fn gemv_of(int kind) {
+    return kind == 0 ? q4_0_gemv : kind == 1 ? q4_1_gemv : kind == 8 ? q8_0_gemv : kind == 4 ? q4_k_gemv : 0;
+}
+
+/* dims: dim, nh, nkv, hd, hidden, n_ctx, pos, num_threads. Per layer l, w[4 l + j] and kinds[4 l + j]
+ * for j = qkv, o, gate_up, down (raw GGUF rows, kind codes as gguf_dequantize's); norms[2 l + j] for
+ * j = attn, ffn; caches[2 l + j] for j = k, v. x [dim] is the residual stream, updated in place
+ * (the last layer's MLP output is added). scratch: at least
+ * dim * 3 + (nh + 2 nkv) hd + nh hd + 3 hidden + n_ctx floats. Returns 0, or the failing GEMV's rc. */
+int decode_layers(int n_layers, const int* dims, float eps, float scale, const uint8_t** w, const int* kinds,
+                  const float** norms, float** caches, const float* cos_row, const float* sin_row,
+                  float* x, float* scratch) {
+    const int dim = dims[0], nh = dims[1], nkv = dims[2], hd = dims[3], hidden = dims[4];
+    const int n_ctx = dims[5], pos = dims[6], nt = dims[7];
+    const int n_qkv = (nh + 2 * nkv) * hd;
+    float* normed = scratch;
+    float* qkv = normed + dim;
+    float* attn = qkv + n_qkv;
+    float* o = attn + nh * hd;
+    float* gu = o + dim;
+    float* act = gu + 2 * hidden;
+    float* down = act + hidden;
+    float* scores = down + dim;
+    int rc;
+    for (int l = 0; l < n_layers; l++) {
+        const uint8_t** lw = w + 4 * l;
+        const int* lk = kinds + 4 * l;
+        decode_add_rmsnorm(x, l ? down : 0, norms[2 * l], dim, eps, normed);
+        if ((rc = gemv_of(lk[0])(lw[0], n_qkv, dim, normed, 1, qkv, nt))) return rc;
+        decode_rope_attend(qkv, nh, nkv, hd, cos_row, sin_row, caches[2 * l], caches[2 * l + 1], pos, n_ctx,
+                           scale, attn, scores);
+        if ((rc = gemv_of(lk[1])(lw[1], dim, nh * hd, attn, 1, o, nt))) return rc;
+        decode_add_rmsnorm(x, o, norms[2 * l + 1], dim, eps, normed);
+        if ((rc = gemv_of(lk[2])(lw[2], 2 * hidden, dim, normed, 1, gu, nt))) return rc;
+        decode_silu_mul(gu, hidden, act);
+        if ((rc = gemv_of(lk[3])(lw[3], dim, hidden, act, 1, down, nt))) return rc;
+    }
+    for (int i = 0; i < dim; i++) x[i] += down[i];
+    return 0;
+}

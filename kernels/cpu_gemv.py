@@ -110,6 +110,9 @@ class _Library:
         self.rope_attend.restype = None
         self.silu_mul = self.lib.decode_silu_mul
         self.silu_mul.argtypes, self.silu_mul.restype = [p, i, p], None
+        self.decode_layers = self.lib.decode_layers
+        self.decode_layers.argtypes = [i, p, f, f, p, p, p, p, p, p, p, p]
+        self.decode_layers.restype = ctypes.c_int
 
 
 @functools.cache
@@ -197,6 +200,7 @@ def gemv(kind: str, weight: torch.Tensor, x: torch.Tensor, out_features: int,
 
 
 _DEQUANT_KIND = {"q4_0": 0, "q4_1": 1, "q8_0": 8, "q4_k": 4}
+KIND_CODE = _DEQUANT_KIND  # the C code of each kind (gguf_dequantize, decode_layers)
 
 
 def dequantize(kind: str, weight: torch.Tensor, out_features: int, in_features: int,
