@@ -2,7 +2,8 @@
  *
  * Between the four GEMVs of a layer, torch runs ~15 tiny ops (norms, RoPE, the KV write,
  * grouped attention, SiLU): a few microseconds of math each, but ~8 ms of dispatch per
- * token on this CPU. These functions do the same fp32 math in one call each. Built into
+ * token on this CPU. These functions do the same fp32 math, and decode_layers runs every
+ * layer of a token in one call. Built into
  * the same library as cpu_gemv.c (see cpu_gemv.py); the torch code in
  * edge_runtime/model.py is the reference they are tested against. Single-threaded: the
  * work is too small to split.

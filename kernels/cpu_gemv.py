@@ -105,11 +105,6 @@ class _Library:
         p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
         self.add_rmsnorm = self.lib.decode_add_rmsnorm
         self.add_rmsnorm.argtypes, self.add_rmsnorm.restype = [p, p, p, i, f, p], None
-        self.rope_attend = self.lib.decode_rope_attend
-        self.rope_attend.argtypes = [p, i, i, i, p, p, p, p, i, i, f, p, p]
-        self.rope_attend.restype = None
-        self.silu_mul = self.lib.decode_silu_mul
-        self.silu_mul.argtypes, self.silu_mul.restype = [p, i, p], None
         self.decode_layers = self.lib.decode_layers
         self.decode_layers.argtypes = [i, p, f, f, p, p, p, p, p, p, p, p]
         self.decode_layers.restype = ctypes.c_int
@@ -131,7 +126,7 @@ def _load() -> tuple[_Library | None, str]:
 
 
 def library():
-    """The loaded build (or None): its `add_rmsnorm`, `rope_attend`, `silu_mul` serve `edge_runtime.model`."""
+    """The loaded build (or None): its `decode_layers` and `add_rmsnorm` serve `edge_runtime.fused_decode`."""
     return _load()[0]
 
 
