@@ -20,7 +20,8 @@ from .base import Backend
 
 
 class LlamaCppRunner:
-    def __init__(self, path: str, n_ctx: int, threads: int | None, n_batch: int = 512, logits_all: bool = False):
+    def __init__(self, path: str, n_ctx: int, threads: int | None, n_batch: int = 512, logits_all: bool = False,
+                 flash_attn: bool = True):
         try:
             import llama_cpp
         except ImportError as e:  # pragma: no cover - installed by scripts/setup.sh
@@ -29,7 +30,7 @@ class LlamaCppRunner:
         threads = threads or os.cpu_count() or 1
         try:
             self.llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch,
-                                       n_threads=threads, n_threads_batch=threads, flash_attn=True,
+                                       n_threads=threads, n_threads_batch=threads, flash_attn=flash_attn,
                                        logits_all=logits_all, verbose=False)
         except ValueError as e:
             raise ModelFileError(f"llama.cpp could not load {path}: {e}") from None
@@ -79,12 +80,14 @@ class LlamaCppRunner:
 class LlamaCppBackend(Backend):
     name = "llama.cpp"
 
-    def __init__(self, model: str = "default", n_ctx: int = 4096, threads: int | None = None):
+    def __init__(self, model: str = "default", n_ctx: int = 4096, threads: int | None = None,
+                 flash_attn: bool = True):
         super().__init__()
+        self.flash_attn = flash_attn
         gf = GGUFFile(model)  # validates the file with the same errors as the native backend
         self.path = gf.path
         self.threads = threads
-        self.runner = LlamaCppRunner(self.path, n_ctx, threads)
+        self.runner = LlamaCppRunner(self.path, n_ctx, threads, flash_attn=flash_attn)
         self.template = ChatTemplate.from_metadata(gf.metadata)
         self._scorer: LlamaCppRunner | None = None
 
@@ -92,7 +95,8 @@ class LlamaCppBackend(Backend):
         with self._lock:
             n = len(token_ids)
             if self._scorer is None or self._scorer.n_ctx < n:
-                self._scorer = LlamaCppRunner(self.path, max(n, 512), self.threads, logits_all=True)
+                self._scorer = LlamaCppRunner(self.path, max(n, 512), self.threads, logits_all=True,
+                                             flash_attn=self.flash_attn)
             llm = self._scorer.llm
             llm.reset()
             llm.eval(token_ids)

@@ -24,26 +24,38 @@ CHAT = [{"role": "user", "content": "Give me three tips for staying focused whil
         {"role": "user", "content": "Why do breaks help?"}]
 
 
-# The issue's target is 97 %; the fp32 reference itself agrees 96.0 % with llama.cpp on this set
-# (llama.cpp quantizes activations to 8 bits), and the native default path equals that reference, so
-# the floor here guards what it reaches today (96.05 %).
+# The issue asks for 97 %. Measured here on this set: native vs llama.cpp 96.05 %; the fp32 reference
+# (= transformers) vs llama.cpp 96.05 %; and llama.cpp against itself, flash attention on vs off, only
+# 95.70 %: every disagreement is a near-tie (top-2 margin < 0.4 logits) that llama.cpp's own 8-bit
+# activation rounding and attention path flip. So the test holds native to llama.cpp's self-consistency
+# on the same positions, plus the 95.5 % floor that guards today's figure.
 AGREEMENT_FLOOR = 0.955
 
 
-def test_teacher_forced_top1_agreement_with_llama_cpp(native_backend, llama_backend, prose):
-    texts = [prose[:2400], CODE, native_backend.template.render(CHAT, add_generation_prompt=False)]
-    agree = total = 0
-    for text in texts:
+def _texts(native_backend, prose):
+    return [prose[:2400], CODE, native_backend.template.render(CHAT, add_generation_prompt=False)]
+
+
+def test_teacher_forced_top1_agreement_with_llama_cpp(native_backend, llama_backend, model_path, prose):
+    from edge_runtime.backends.llama_cpp import LlamaCppBackend
+
+    llama_other_path = LlamaCppBackend(model_path, n_ctx=512, flash_attn=False)
+    agree = self_agree = total = 0
+    for text in _texts(native_backend, prose):
         ids = native_backend.tokenize(text, special=True)[:400]
         assert ids == llama_backend.tokenize(text, special=True)[:400]
         ours = native_backend.logits(ids).argmax(-1)
         theirs = llama_backend.logits(ids).argmax(-1)
+        theirs_other = llama_other_path.logits(ids).argmax(-1)
         agree += int((ours == theirs).sum())
+        self_agree += int((theirs_other == theirs).sum())
         total += len(ids)
     assert total >= 500
-    rate = agree / total
-    print(f"top-1 agreement native vs llama.cpp: {rate:.4f} over {total} positions")
+    rate, self_rate = agree / total, self_agree / total
+    print(f"top-1 agreement native vs llama.cpp: {rate:.4f}; llama.cpp flash vs no-flash: {self_rate:.4f}"
+          f" over {total} positions")
     assert rate >= AGREEMENT_FLOOR
+    assert rate >= min(self_rate, 0.97)
 
 
 def test_perplexity_within_one_percent_of_llama_cpp(native_backend, llama_backend, prose):
