@@ -1,4 +1,4 @@
-"""`edge-runtime` command line: generate, chat, perplexity, bench.
+"""`edge-runtime` command line: generate, chat, perplexity, bench (decode, kv, attention).
 
 Converts arguments into requests and prints results; user errors become one
 line on stderr and exit status 2, never a traceback.
@@ -26,6 +26,10 @@ def _add_model_args(p: argparse.ArgumentParser, backend: bool = True) -> None:
     p.add_argument("--compile", action="store_true", help="native backend: torch.compile the decode step "
                    "(cached on disk; off by default: it does not pay with the default kernels here)")
     p.add_argument("--device", default="cpu", help="native backend: torch device (cpu, cuda, mps)")
+    p.add_argument("--kv-dtype", default="fp16", choices=["fp16", "bf16", "int8", "fp32"],
+                   help="native backend: what the paged KV cache stores (int8: per-token-head scales, ~0.53x fp16)")
+    p.add_argument("--kv-budget", default=None, help="native backend: KV cache memory, a size (512MiB, 2GB) or a "
+                   "share of available memory (25%%); default: 4 context windows, at most 25%% of available memory")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -44,7 +48,8 @@ def make_backend(args):
 
     kwargs = {"n_ctx": args.ctx, "threads": args.threads}
     if args.backend == "native":
-        kwargs.update(quant=args.quant, device=args.device, compile=True if args.compile else "auto")
+        kwargs.update(quant=args.quant, device=args.device, compile=True if args.compile else "auto",
+                      kv_dtype=args.kv_dtype, kv_budget=args.kv_budget)
     return create_backend(args.backend, args.model, **kwargs)
 
 
@@ -100,7 +105,8 @@ def cmd_perplexity(args) -> int:
         raise EdgeRuntimeError(f"{args.file} is not UTF-8 text") from None
     kwargs = {"n_ctx": args.ctx, "threads": args.threads}
     if args.backend == "native":
-        kwargs.update(quant=args.quant, device=args.device, compile=False)
+        kwargs.update(quant=args.quant, device=args.device, compile=False, kv_dtype=args.kv_dtype,
+                      kv_budget=args.kv_budget)
     backend = create_backend(args.backend, args.model, **kwargs)
     ids = backend.tokenize(text, special=False)
     if len(ids) < args.ctx:
@@ -114,6 +120,15 @@ def cmd_perplexity(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.name == "kv":
+        from .bench_kv import run_kv_bench
+
+        return run_kv_bench(args)
+    if args.name == "attention":
+        from .bench_attention import run_attention_bench
+
+        run_attention_bench(args.json_file, threads=args.threads)
+        return 0
     from .bench import run_bench
 
     return run_bench(args)
@@ -143,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_perplexity, ctx=512)
 
     b = sub.add_parser("bench", help="benchmarks (each against its anchor, in one run)")
-    b.add_argument("name", choices=["decode"])
+    b.add_argument("name", choices=["decode", "kv", "attention"])
     b.add_argument("--model", default="default")
     b.add_argument("--threads", type=int, default=None)
     b.add_argument("--repeats", type=int, default=3)

@@ -66,7 +66,7 @@ class CompileCache:
             runner.step(3)
         finally:
             done["flag"] = True
-            runner.cached_ids = []
+            runner.reset()
         spent = time.perf_counter() - t0
         if spent > 3:
             say(f"[edge-runtime] decode step compiled in {spent:.1f} s")

@@ -1,9 +1,10 @@
 """The one-token decode step in one C call: all layers, with the file's quantized blocks.
 
 Same math as `Transformer.forward` for one token (fp32 residual stream, rotate-half
-RoPE, grouped attention over the static KV buffer, SwiGLU), but `decode_layers` in
-`kernels/cpu_decode.c` runs the norms, the four GEMVs, RoPE, the KV write, attention
-and SwiGLU of every layer without returning to Python. It applies only when every
+RoPE, grouped attention over the sequence's blocks of the paged KV cache, SwiGLU),
+but `decode_layers` in `kernels/cpu_decode.c` runs the norms, the four GEMVs, RoPE,
+the KV write (rounded to the pool's dtype as torch would), paged attention and
+SwiGLU of every layer without returning to Python. It applies only when every
 projection keeps raw GGUF blocks (`GGUFLinear`) on CPU; otherwise the torch step runs.
 `model.py` stays the readable reference, and tests compare the two.
 """
@@ -28,29 +29,38 @@ class FusedDecoder:
         from kernels.cpu_gemv import KIND_CODE
 
         m, cfg = self.model, self.cfg
+        kv = m.kv
         lins = [lin for b in m.blocks for lin in (b.wqkv, b.wo, b.w_gate_up, b.w_down)]
-        self.keep = [m.k_cache, m.v_cache]  # the tables point into these
         self.w_ptrs = (ctypes.c_void_p * len(lins))(*[lin.weight.data_ptr() for lin in lins])
         self.kinds = (ctypes.c_int * len(lins))(*[KIND_CODE[lin.kind] for lin in lins])
         self.norm_ptrs = (ctypes.c_void_p * (2 * cfg.num_layers))(
             *[t.data_ptr() for b in m.blocks for t in (b.attn_norm, b.ffn_norm)])
-        self.cache_ptrs = (ctypes.c_void_p * (2 * cfg.num_layers))(
-            *[t.data_ptr() for kc, vc in zip(m.k_cache, m.v_cache) for t in (kc, vc)])
+        ptrs = []
+        for layer in range(cfg.num_layers):
+            ptrs += [kv.k[layer].data_ptr(), kv.v[layer].data_ptr()]
+            ptrs += [kv.k_scale[layer].data_ptr(), kv.v_scale[layer].data_ptr()] if kv.quantized else [None, None]
+        self.kv_ptrs = (ctypes.c_void_p * len(ptrs))(*ptrs)
+        self.table = torch.zeros(-(-m.n_ctx // kv.block_size), dtype=torch.int32)
         n_qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-        self.scratch = torch.empty(3 * cfg.dim + n_qkv + cfg.num_heads * cfg.head_dim + 3 * cfg.hidden_dim + m.n_ctx)
-        self._tables_for = m.k_cache[0]
+        group = min(cfg.num_heads // cfg.num_kv_heads, 8)
+        self.scratch = torch.empty(3 * cfg.dim + n_qkv + cfg.num_heads * cfg.head_dim + 3 * cfg.hidden_dim
+                                   + group * m.n_ctx)
+        self._tables_for = kv  # the tables point into this cache's pools
 
-    def _whole_step(self, x: torch.Tensor, pos: int) -> None:
+    def _whole_step(self, x: torch.Tensor, pos: int, block_table: list[int]) -> None:
         from kernels import cpu_gemv
 
         m, cfg = self.model, self.cfg
-        if self._tables_for is not m.k_cache[0]:
+        if self._tables_for is not m.kv:
             self._tables()
-        dims = (ctypes.c_int * 8)(cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_dim,
-                                  m.n_ctx, pos, cpu_gemv.threads())
+        n = pos // m.kv.block_size + 1
+        assert len(block_table) >= n, "the block table must cover the new position"
+        self.table[:n] = torch.tensor(block_table[:n], dtype=torch.int32)
+        dims = (ctypes.c_int * 10)(cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_dim,
+                                   pos, cpu_gemv.threads(), m.kv.block_size, KV_KIND[m.kv.kv_dtype], int(m.kv.rotated))
         rc = self.lib.decode_layers(cfg.num_layers, dims, self.eps, self.scale, self.w_ptrs, self.kinds,
-                                    self.norm_ptrs, self.cache_ptrs, m.cos[pos].data_ptr(), m.sin[pos].data_ptr(),
-                                    x.data_ptr(), self.scratch.data_ptr())
+                                    self.norm_ptrs, self.kv_ptrs, self.table.data_ptr(), m.cos[pos].data_ptr(),
+                                    m.sin[pos].data_ptr(), x.data_ptr(), self.scratch.data_ptr())
         assert rc == 0, rc
 
     @staticmethod
@@ -58,13 +68,16 @@ class FusedDecoder:
         b = model.blocks[0]
         all_gguf = all(getattr(lin, "mode", None) == "gguf" for blk in model.blocks
                        for lin in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down))
-        return (all_gguf and model.device.type == "cpu" and b.qkv_bias is None and bool(model.k_cache)
-                and model.k_cache[0].dtype == torch.float32 and model.cfg.head_dim <= 512)
+        return (all_gguf and model.device.type == "cpu" and b.qkv_bias is None and model.kv is not None
+                and model.cfg.head_dim <= 512 and model.cfg.head_dim % 2 == 0)
 
-    def step(self, token_id: int, pos: int) -> torch.Tensor:
-        """Logits fp32 [1, vocab] for `token_id` at position `pos` (its K/V are written)."""
+    def step(self, token_id: int, pos: int, block_table: list[int]) -> torch.Tensor:
+        """Logits fp32 [1, vocab] for `token_id` at position `pos` (its K/V are written into its slot)."""
         m, cfg = self.model, self.cfg
         x = m.embedding(torch.tensor([token_id])).reshape(cfg.dim).contiguous()  # [dim], updated in place
-        self._whole_step(x, pos)
+        self._whole_step(x, pos, block_table)
         self.lib.add_rmsnorm(x.data_ptr(), None, m.norm.data_ptr(), cfg.dim, self.eps, self.logits_norm.data_ptr())
         return m.output(self.logits_norm).float()
+
+
+KV_KIND = {"fp32": 0, "fp16": 1, "bf16": 2, "int8": 3}  # the pool dtype codes of cpu_decode.c

@@ -57,9 +57,9 @@ def generate_stream(runner: Runner, template: ChatTemplate, request: GenerationR
     if not ids:
         ids = [runner.bos_id if runner.bos_id is not None else 0]
     if len(ids) >= runner.n_ctx:
+        limit = getattr(runner, "n_ctx_reason", None) or f"the context window is {runner.n_ctx} tokens"
         raise ContextLengthError(
-            f"prompt is {len(ids)} tokens but the context window is {runner.n_ctx} tokens "
-            f"(at least one token must be left to generate)"
+            f"prompt is {len(ids)} tokens but {limit} (at least one token must be left to generate)"
         )
     sampler = Sampler(params)
     detok = IncrementalDetokenizer(runner.token_bytes)

@@ -8,6 +8,7 @@
  * edge_runtime/model.py is the reference they are tested against. Single-threaded: the
  * work is too small to split.
  */
+#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -23,55 +24,208 @@ void decode_add_rmsnorm(float* x, const float* add, const float* w, int dim, flo
     for (int i = 0; i < dim; i++) out[i] = x[i] * r * w[i];
 }
 
-/* qkv: [nh*hd | nkv*hd | nkv*hd] for one token at position pos. Applies rotate-half RoPE
- * (cos/sin rows of length hd) to q and k, writes k and v into the caches
- * ([nkv, n_ctx, hd]), and attends every query head over positions 0..pos of its KV head
- * (query head h uses KV head h / (nh / nkv)). out: [nh * hd]. scores: scratch [pos + 1]. */
-void decode_rope_attend(const float* qkv, int nh, int nkv, int hd, const float* cos_row, const float* sin_row,
-                        float* k_cache, float* v_cache, int pos, int n_ctx, float scale, float* out, float* scores) {
-    const int half = hd / 2, group = nh / nkv;
-    const float* v = qkv + (nh + nkv) * hd;
-    for (int j = 0; j < nkv; j++) {  /* k with RoPE, v as is, into the caches */
-        const float* k = qkv + (nh + j) * hd;
-        float* kc = k_cache + ((size_t)j * n_ctx + pos) * hd;
-        float* vc = v_cache + ((size_t)j * n_ctx + pos) * hd;
-        for (int i = 0; i < half; i++) {
-            kc[i] = k[i] * cos_row[i] - k[i + half] * sin_row[i];
-            kc[i + half] = k[i + half] * cos_row[i + half] + k[i] * sin_row[i + half];
-        }
-        memcpy(vc, v + j * hd, sizeof(float) * hd);
+/* ---- the paged KV cache (kernels/kv_cache.py) ------------------------------------------------
+ * One layer's K (or V) pool: [num_blocks, block_size, nkv, hd] in fp32, fp16, bf16 or int8; int8
+ * has one fp32 scale per (slot, head) in [num_blocks, block_size, nkv]. Position p of a sequence
+ * lives in slot table[p / bs] * bs + p % bs. The write rounding equals torch's (.to(fp16/bf16):
+ * round to nearest even; int8: scale = amax / 127, q = round-half-even(x / scale)). */
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_I8 = 3 };
+
+typedef struct {
+    void* k; void* v;            /* this layer's pools */
+    float* ks; float* vs;        /* int8 scales (NULL otherwise) */
+    const int* table;            /* the sequence's block table */
+    int bs, kind, rotated;       /* rotated: int8 rows are stored in the Hadamard basis */
+} paged_kv;
+
+/* x[n] <- x H / sqrt(n) (n a power of two): the butterfly of kv_cache.hadamard_rotate, same order of
+ * additions, so both round alike. Its own inverse. */
+static void hadamard_rotate(float* x, int n) {
+    for (int h = 1; h < n; h *= 2)
+        for (int i = 0; i < n; i += 2 * h)
+            for (int j = i; j < i + h; j++) {
+                const float a = x[j], b = x[j + h];
+                x[j] = a + b;
+                x[j + h] = a - b;
+            }
+    const float r = (float)(1.0 / sqrt((double)n));  /* as torch: the double 1/sqrt(n) rounded to float */
+    for (int i = 0; i < n; i++) x[i] *= r;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+#if defined(__F16C__)
+static inline uint16_t f32_to_f16(float f) { return _cvtss_sh(f, 0); }
+static inline float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
+#else /* the portable build: IEEE half conversions, round to nearest even */
+static inline uint16_t f32_to_f16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    const uint16_t sign = (uint16_t)((u >> 16) & 0x8000);
+    u &= 0x7fffffffu;
+    if (u > 0x7f800000u) return sign | 0x7e00;                   /* NaN */
+    if (u >= 0x477ff000u) return sign | 0x7c00;                  /* overflow (rounds past 65504) -> inf */
+    if (u < 0x38800000u) {                                       /* subnormal half or zero */
+        float a;
+        memcpy(&a, &u, 4);
+        return sign | (uint16_t)nearbyintf(a * 16777216.0f);     /* a / 2^-24, exact scaling, RNE */
     }
-    float q[512];
-    for (int h = 0; h < nh; h++) {
-        const float* qs = qkv + h * hd;
+    const uint32_t mant_odd = (u >> 13) & 1u;
+    u += 0xfffu + mant_odd;                                      /* round the 13 dropped bits to even */
+    return sign | (uint16_t)((u - 0x38000000u) >> 13);
+}
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    float f;
+    if (e == 0) {
+        f = (float)m * 5.9604645e-8f;
+        return (h & 0x8000) ? -f : f;
+    }
+    const uint32_t bits = ((uint32_t)(h & 0x8000) << 16) | (e == 31 ? 0x7f800000u : (e + 112) << 23) | (m << 13);
+    memcpy(&f, &bits, 4);
+    return f;
+}
+#endif
+
+/* Store row x[hd] (head j of the token in `slot`); int8 rows rotated first when `rotated`. */
+static void kv_store(void* pool, float* scales, int kind, int rotated, size_t slot, int nkv, int j, int hd,
+                     const float* x) {
+    const size_t off = (slot * nkv + j) * hd;
+    float tmp[512];
+    if (kind == KV_I8 && rotated) {
+        memcpy(tmp, x, sizeof(float) * hd);
+        hadamard_rotate(tmp, hd);
+        x = tmp;
+    }
+    if (kind == KV_F32) {
+        memcpy((float*)pool + off, x, sizeof(float) * hd);
+    } else if (kind == KV_F16) {
+        uint16_t* d = (uint16_t*)pool + off;
+        for (int i = 0; i < hd; i++) d[i] = f32_to_f16(x[i]);
+    } else if (kind == KV_BF16) {
+        uint16_t* d = (uint16_t*)pool + off;
+        for (int i = 0; i < hd; i++) d[i] = f32_to_bf16(x[i]);
+    } else {
+        float amax = 0.0f;
+        for (int i = 0; i < hd; i++) amax = fmaxf(amax, fabsf(x[i]));
+        const float scale = amax / 127.0f, div = scale > 1e-30f ? scale : 1e-30f;
+        int8_t* d = (int8_t*)pool + off;
+        for (int i = 0; i < hd; i++) {
+            float q = nearbyintf(x[i] / div);
+            d[i] = (int8_t)(q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q);
+        }
+        scales[slot * nkv + j] = scale;
+    }
+}
+
+/* Load row (slot, head j) into out[hd] as fp32. */
+static inline void kv_load(const void* pool, const float* scales, int kind, size_t slot, int nkv, int j, int hd,
+                           float* out) {
+    const size_t off = (slot * nkv + j) * hd;
+    if (kind == KV_F32) {
+        memcpy(out, (const float*)pool + off, sizeof(float) * hd);
+    } else if (kind == KV_F16) {
+        const uint16_t* s = (const uint16_t*)pool + off;
+        int i = 0;
+#if defined(__F16C__)
+        for (; i + 8 <= hd; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s + i))));
+#endif
+        for (; i < hd; i++) out[i] = f16_to_f32(s[i]);
+    } else if (kind == KV_BF16) {
+        const uint16_t* s = (const uint16_t*)pool + off;
+        for (int i = 0; i < hd; i++) out[i] = bf16_to_f32(s[i]);
+    } else {
+        const int8_t* s = (const int8_t*)pool + off;
+        const float sc = scales[slot * nkv + j];
+        for (int i = 0; i < hd; i++) out[i] = (float)s[i] * sc;
+    }
+}
+
+static inline float dot(const float* a, const float* b, int n) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};  /* 8 lanes: lets gcc vectorize the dot product */
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int l = 0; l < 8; l++) acc[l] += a[i + l] * b[i + l];
+    float d = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; i < n; i++) d += a[i] * b[i];
+    return d;
+}
+
+/* qkv: [nh*hd | nkv*hd | nkv*hd] for one token at position pos. Applies rotate-half RoPE
+ * (cos/sin rows of length hd) to q and k, writes k and v into the paged cache at pos, and attends
+ * every query head over positions 0..pos of its KV head (query head h uses KV head h / (nh / nkv)),
+ * reading each K/V row once per KV head for all its query heads. out: [nh * hd]. scores: scratch
+ * [(nh / nkv) * (pos + 1)]. */
+void decode_rope_attend(const float* qkv, int nh, int nkv, int hd, const float* cos_row, const float* sin_row,
+                        const paged_kv* kv, int pos, float scale, float* out, float* scores) {
+    const int half = hd / 2, group = nh / nkv, bs = kv->bs, n = pos + 1;
+    const float* v = qkv + (nh + nkv) * hd;
+    const size_t wslot = (size_t)kv->table[pos / bs] * bs + pos % bs;
+    float row[512], q[8 * 512];
+    for (int j = 0; j < nkv; j++) {  /* k with RoPE, v as is, into the cache */
+        const float* k = qkv + (nh + j) * hd;
         for (int i = 0; i < half; i++) {
-            q[i] = qs[i] * cos_row[i] - qs[i + half] * sin_row[i];
-            q[i + half] = qs[i + half] * cos_row[i + half] + qs[i] * sin_row[i + half];
+            row[i] = k[i] * cos_row[i] - k[i + half] * sin_row[i];
+            row[i + half] = k[i + half] * cos_row[i + half] + k[i] * sin_row[i + half];
         }
-        const int j = h / group;
-        const float* kbase = k_cache + (size_t)j * n_ctx * hd;
-        const float* vbase = v_cache + (size_t)j * n_ctx * hd;
-        float mx = -INFINITY;
-        for (int s = 0; s <= pos; s++) {
-            const float* kr = kbase + (size_t)s * hd;
-            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};  /* 8 lanes: lets gcc vectorize the dot product */
-            int i = 0;
-            for (; i + 8 <= hd; i += 8)
-                for (int l = 0; l < 8; l++) acc[l] += q[i + l] * kr[i + l];
-            float dot = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-            for (; i < hd; i++) dot += q[i] * kr[i];
-            scores[s] = dot * scale;
-            if (scores[s] > mx) mx = scores[s];
-        }
-        float sum = 0.0f;
-        for (int s = 0; s <= pos; s++) { scores[s] = expf(scores[s] - mx); sum += scores[s]; }
-        const float inv = 1.0f / sum;
-        float* o = out + h * hd;
-        for (int i = 0; i < hd; i++) o[i] = 0.0f;
-        for (int s = 0; s <= pos; s++) {
-            const float p = scores[s] * inv;
-            const float* vr = vbase + (size_t)s * hd;
-            for (int i = 0; i < hd; i++) o[i] += p * vr[i];
+        kv_store(kv->k, kv->ks, kv->kind, kv->rotated, wslot, nkv, j, hd, row);
+        kv_store(kv->v, kv->vs, kv->kind, kv->rotated, wslot, nkv, j, hd, v + j * hd);
+    }
+    for (int j = 0; j < nkv; j++) {
+        for (int g0 = 0; g0 < group; g0 += 8) {  /* up to 8 query heads of this KV head at a time */
+            const int ng = group - g0 < 8 ? group - g0 : 8;
+            for (int g = 0; g < ng; g++) {
+                const float* qs = qkv + (j * group + g0 + g) * hd;
+                float* qg = q + g * hd;
+                for (int i = 0; i < half; i++) {
+                    qg[i] = qs[i] * cos_row[i] - qs[i + half] * sin_row[i];
+                    qg[i + half] = qs[i + half] * cos_row[i + half] + qs[i] * sin_row[i + half];
+                }
+                if (kv->rotated) hadamard_rotate(qg, hd);  /* attend in the stored basis */
+            }
+            float mx[8];
+            for (int g = 0; g < ng; g++) mx[g] = -INFINITY;
+            for (int s = 0; s < n; s++) {
+                const size_t slot = (size_t)kv->table[s / bs] * bs + s % bs;
+                kv_load(kv->k, kv->ks, kv->kind, slot, nkv, j, hd, row);
+                for (int g = 0; g < ng; g++) {
+                    const float sc = dot(q + g * hd, row, hd) * scale;
+                    scores[g * n + s] = sc;
+                    if (sc > mx[g]) mx[g] = sc;
+                }
+            }
+            float inv[8];
+            for (int g = 0; g < ng; g++) {
+                float sum = 0.0f;
+                for (int s = 0; s < n; s++) { scores[g * n + s] = expf(scores[g * n + s] - mx[g]); sum += scores[g * n + s]; }
+                inv[g] = 1.0f / sum;
+                float* o = out + (j * group + g0 + g) * hd;
+                for (int i = 0; i < hd; i++) o[i] = 0.0f;
+            }
+            for (int s = 0; s < n; s++) {
+                const size_t slot = (size_t)kv->table[s / bs] * bs + s % bs;
+                kv_load(kv->v, kv->vs, kv->kind, slot, nkv, j, hd, row);
+                for (int g = 0; g < ng; g++) {
+                    const float p = scores[g * n + s] * inv[g];
+                    float* o = out + (j * group + g0 + g) * hd;
+                    for (int i = 0; i < hd; i++) o[i] += p * row[i];
+                }
+            }
+            if (kv->rotated)
+                for (int g = 0; g < ng; g++) hadamard_rotate(out + (j * group + g0 + g) * hd, hd);  /* back */
         }
     }
 }
@@ -96,16 +250,19 @@ static gemv_fn gemv_of(int kind) {
     return kind == 0 ? q4_0_gemv : kind == 1 ? q4_1_gemv : kind == 8 ? q8_0_gemv : kind == 4 ? q4_k_gemv : 0;
 }
 
-/* dims: dim, nh, nkv, hd, hidden, n_ctx, pos, num_threads. Per layer l, w[4 l + j] and kinds[4 l + j]
- * for j = qkv, o, gate_up, down (raw GGUF rows, kind codes as gguf_dequantize's); norms[2 l + j] for
- * j = attn, ffn; caches[2 l + j] for j = k, v. x [dim] is the residual stream, updated in place
- * (the last layer's MLP output is added). scratch: at least
- * dim * 3 + (nh + 2 nkv) hd + nh hd + 3 hidden + n_ctx floats. Returns 0, or the failing GEMV's rc. */
+/* dims: dim, nh, nkv, hd, hidden, pos, num_threads, block_size, kv_kind, rotated. Per l, w[4 l + j]
+ * and kinds[4 l + j] for j = qkv, o, gate_up, down (raw GGUF rows, kind codes as gguf_dequantize's);
+ * norms[2 l + j] for j = attn, ffn; kv_pools[4 l + j] for j = k pool, v pool, k scales, v scales
+ * (scales NULL unless int8); table: the sequence's block table. x [dim] is the residual stream,
+ * updated in place (the last layer's MLP output is added). scratch: at least
+ * dim * 3 + (nh + 2 nkv) hd + nh hd + 3 hidden + (nh / nkv) (pos + 1) floats. Returns 0, or the
+ * failing GEMV's rc. */
 int decode_layers(int n_layers, const int* dims, float eps, float scale, const uint8_t** w, const int* kinds,
-                  const float** norms, float** caches, const float* cos_row, const float* sin_row,
-                  float* x, float* scratch) {
+                  const float** norms, void** kv_pools, const int* table, const float* cos_row,
+                  const float* sin_row, float* x, float* scratch) {
     const int dim = dims[0], nh = dims[1], nkv = dims[2], hd = dims[3], hidden = dims[4];
-    const int n_ctx = dims[5], pos = dims[6], nt = dims[7];
+    const int pos = dims[5], nt = dims[6];
+    paged_kv kv = {0, 0, 0, 0, table, dims[7], dims[8], dims[9]};
     const int n_qkv = (nh + 2 * nkv) * hd;
     float* normed = scratch;
     float* qkv = normed + dim;
@@ -121,8 +278,9 @@ int decode_layers(int n_layers, const int* dims, float eps, float scale, const u
         const int* lk = kinds + 4 * l;
         decode_add_rmsnorm(x, l ? down : 0, norms[2 * l], dim, eps, normed);
         if ((rc = gemv_of(lk[0])(lw[0], n_qkv, dim, normed, 1, qkv, nt))) return rc;
-        decode_rope_attend(qkv, nh, nkv, hd, cos_row, sin_row, caches[2 * l], caches[2 * l + 1], pos, n_ctx,
-                           scale, attn, scores);
+        kv.k = kv_pools[4 * l], kv.v = kv_pools[4 * l + 1];
+        kv.ks = (float*)kv_pools[4 * l + 2], kv.vs = (float*)kv_pools[4 * l + 3];
+        decode_rope_attend(qkv, nh, nkv, hd, cos_row, sin_row, &kv, pos, scale, attn, scores);
         if ((rc = gemv_of(lk[1])(lw[1], dim, nh * hd, attn, 1, o, nt))) return rc;
         decode_add_rmsnorm(x, o, norms[2 * l + 1], dim, eps, normed);
         if ((rc = gemv_of(lk[2])(lw[2], 2 * hidden, dim, normed, 1, gu, nt))) return rc;
@@ -131,4 +289,13 @@ int decode_layers(int n_layers, const int* dims, float eps, float scale, const u
     }
     for (int i = 0; i < dim; i++) x[i] += down[i];
     return 0;
+}
+
+/* Test hook: store n rows x[n, nkv, hd] into the given slots of one pool pair's K side, as the decode
+ * step does (tests compare the bytes with torch's PagedKVCache.write). */
+void decode_kv_store_rows(void* pool, float* scales, int kind, int rotated, const int64_t* slots, int n, int nkv,
+                          int hd, const float* x) {
+    for (int t = 0; t < n; t++)
+        for (int j = 0; j < nkv; j++)
+            kv_store(pool, scales, kind, rotated, (size_t)slots[t], nkv, j, hd, x + ((size_t)t * nkv + j) * hd);
 }

@@ -106,8 +106,10 @@ class _Library:
         self.add_rmsnorm = self.lib.decode_add_rmsnorm
         self.add_rmsnorm.argtypes, self.add_rmsnorm.restype = [p, p, p, i, f, p], None
         self.decode_layers = self.lib.decode_layers
-        self.decode_layers.argtypes = [i, p, f, f, p, p, p, p, p, p, p, p]
+        self.decode_layers.argtypes = [i, p, f, f, p, p, p, p, p, p, p, p, p]
         self.decode_layers.restype = ctypes.c_int
+        self.kv_store_rows = self.lib.decode_kv_store_rows
+        self.kv_store_rows.argtypes, self.kv_store_rows.restype = [p, p, i, i, p, i, i, i, p], None
 
 
 @functools.cache

@@ -1,74 +1,110 @@
 """The native backend: our torch transformer over the GGUF's quantized weights.
 
-`NativeRunner` keeps one KV buffer per layer and the token ids it holds, so a
-new prompt that shares a prefix with the last one (a growing chat) only
-evaluates the new tokens. Prompts are evaluated in chunks of `n_batch`
-tokens; single decode steps go through the compiled block step when
-compilation is on.
+`NativeRunner` keeps K/V only in the paged cache: a `BlockManager` hands each
+request a block table, and full blocks of verified tokens stay in its prefix
+cache after the request ends, so the next request that starts with the same
+tokens (a growing chat, a shared system prompt) only evaluates what is new.
+Prompts are evaluated in chunks of `n_batch` tokens.
 """
 from __future__ import annotations
 
+import itertools
 import os
 
 import torch
 
+from ..block_manager import BlockManager
 from ..chat_template import ChatTemplate
 from ..compile_cache import CompileCache
-from ..errors import BackendUnavailableError
+from ..errors import BackendUnavailableError, ContextLengthError
+from ..kv_cache_config import KVCacheConfig, format_bytes
 from ..model_loader import load_model
 from ..tokenizer import Tokenizer
 from .base import Backend
 
 
 class NativeRunner:
-    def __init__(self, model, tokenizer: Tokenizer, n_ctx: int, n_batch: int = 512):
+    def __init__(self, model, tokenizer: Tokenizer, n_ctx: int, n_batch: int = 512,
+                 kv_config: KVCacheConfig | None = None):
         self.model = model
         self.tokenizer = tokenizer
-        self.n_ctx = n_ctx
         self.n_batch = n_batch
         self.eog_ids = set(tokenizer.eog_ids)
         self.add_bos = bool(tokenizer.add_bos_token)
         self.bos_id = tokenizer.bos_id
-        self.cached_ids: list[int] = []  # tokens whose K/V are in the cache, in order
-        model.allocate_cache(n_ctx)
+        self.kv_config = kv = kv_config or KVCacheConfig()
+        budget = kv.budget_bytes(model.cfg, n_ctx, model.device)
+        num_blocks = kv.num_blocks(model.cfg, n_ctx, model.device)
+        if num_blocks < 1:
+            raise ContextLengthError(f"KV budget {format_bytes(budget)} ({kv.kv_dtype}) holds less than one "
+                                     f"block of {kv.block_size} tokens")
+        capacity = num_blocks * kv.block_size
+        self.n_ctx = min(n_ctx, capacity)
+        self.n_ctx_reason = (f"the KV budget ({format_bytes(budget)}, {kv.kv_dtype}) holds {capacity} tokens"
+                             if capacity < n_ctx else None)
+        model.allocate_cache(self.n_ctx, num_blocks, kv.block_size, kv.kv_dtype)
+        self.blocks = BlockManager(num_blocks, kv.block_size)
+        self._seq_ids = itertools.count()
+        self.seq: int | None = None  # the live sequence
+        self.cached_ids: list[int] = []  # its tokens whose K/V are in the cache, in order
 
     def tokenize(self, text: str, special: bool = True) -> list[int]:
         return self.tokenizer.encode(text, special=special)
 
-    def reset(self) -> None:
-        self.cached_ids = []
-
     def token_bytes(self, token_id: int) -> bytes:
         return self.tokenizer.token_bytes(token_id)
 
+    def _release(self) -> None:
+        if self.seq is not None:
+            self.blocks.free(self.seq)  # its committed full blocks stay in the prefix cache
+            self.seq = None
+        self.cached_ids = []
+
+    def reset(self) -> None:
+        """Forget everything cached, prefix cache included (the next prompt is evaluated in full)."""
+        self._release()
+        self.blocks.reset_prefix_cache()
+
+    def _start(self, token_ids: list[int]) -> int:
+        """A new sequence for this prompt; returns how many leading tokens the prefix cache already holds."""
+        self._release()
+        self.seq = next(self._seq_ids)
+        cached = self.blocks.allocate(self.seq, token_ids)
+        if cached is None:  # only the prompt itself can be too big: nothing else is live
+            self.seq = None
+            raise ContextLengthError(f"prompt is {len(token_ids)} tokens but the KV cache holds "
+                                     f"{self.blocks.num_blocks * self.blocks.block_size}")
+        self.cached_ids = list(token_ids[:cached])
+        return cached
+
     def _run(self, token_ids: list[int], pos0: int, all_logits: bool = False) -> torch.Tensor:
         device = self.model.device
+        table = self.blocks.block_table(self.seq)
         outs = []
         for start in range(0, len(token_ids), self.n_batch):
             chunk = torch.tensor(token_ids[start:start + self.n_batch], dtype=torch.long, device=device)
-            outs.append(self.model(chunk, pos0 + start, all_logits=all_logits))
+            outs.append(self.model(chunk, pos0 + start, all_logits=all_logits, block_table=table))
+        self.cached_ids.extend(token_ids)
+        self.blocks.commit(self.seq, len(self.cached_ids))  # evaluated and accepted: cacheable
         return torch.cat(outs) if all_logits else outs[-1][-1]
 
     def prefill(self, token_ids: list[int]) -> torch.Tensor:
-        common = 0
-        limit = min(len(self.cached_ids), len(token_ids) - 1)  # always evaluate at least the last token
-        while common < limit and self.cached_ids[common] == token_ids[common]:
-            common += 1
-        self.cached_ids = self.cached_ids[:common]
-        logits = self._run(token_ids[common:], common)
-        self.cached_ids = list(token_ids)
-        return logits.float().cpu()
+        cached = self._start(token_ids)
+        return self._run(token_ids[cached:], cached).float().cpu()
 
     def step(self, token_id: int) -> torch.Tensor:
-        logits = self._run([token_id], len(self.cached_ids))
-        self.cached_ids.append(token_id)
-        return logits.float().cpu()
+        if not self.blocks.append(self.seq, [token_id]):
+            raise ContextLengthError("the KV cache is full")  # the generator stops at n_ctx before this
+        return self._run([token_id], len(self.cached_ids)).float().cpu()
 
     def logits(self, token_ids: list[int]) -> torch.Tensor:
-        self.cached_ids = []
-        out = self._run(token_ids, 0, all_logits=True).float().cpu()
-        self.cached_ids = list(token_ids)
-        return out
+        self.reset()  # every position's logits are wanted: no prefix-cache hit
+        self._start(token_ids)
+        return self._run(token_ids, 0, all_logits=True).float().cpu()
+
+    @property
+    def prefix_cache_stats(self) -> dict:
+        return self.blocks.stats()
 
 
 def _check_device(device: str) -> None:
@@ -87,9 +123,11 @@ class NativeBackend(Backend):
 
     def __init__(self, model: str = "default", n_ctx: int = 4096, threads: int | None = None,
                  quant: str = "auto", device: str = "cpu", compile: bool | str = "auto",
-                 head_quant: str | None = None, progress=None, fused: bool = True):
+                 head_quant: str | None = None, progress=None, fused: bool = True,
+                 kv_dtype: str = "fp16", kv_budget: str | int | float | None = None, kv_block_size: int = 16):
         super().__init__()
         _check_device(device)
+        self.kv_config = KVCacheConfig(kv_dtype, kv_block_size, kv_budget)  # bad flags fail before loading
         if threads:
             torch.set_num_threads(threads)
         self.model, gf = load_model(model, quant=quant, device=device, head_quant=head_quant)
@@ -99,7 +137,7 @@ class NativeBackend(Backend):
         tokenizer = Tokenizer.from_metadata(gf.metadata)
         self.template = ChatTemplate.from_metadata(gf.metadata)
         n_ctx = min(n_ctx, self.config.max_context)
-        self.runner = NativeRunner(self.model, tokenizer, n_ctx)
+        self.runner = NativeRunner(self.model, tokenizer, n_ctx, kv_config=self.kv_config)
         self.fused = False
         if self.quant == "gguf" and fused:  # our C kernels are built: fuse the small decode ops too
             from kernels import cpu_gemv

@@ -82,6 +82,18 @@ def test_unsupported_tensor_type(tmp_path):
     bad(["generate", "--model", str(f), "hi"], "unsupported tensor type Q2_K")
 
 
+def test_bad_kv_budget_and_prompt_over_budget():
+    bad(["generate", "--kv-budget", "lots", "hi"], "--kv-budget 'lots'")
+    bad(["generate", "--kv-budget", "1MiB", "word " * 60], "KV budget (1.0 MiB, fp16) holds 32 tokens")
+
+
+def test_generate_with_int8_kv_and_a_budget():
+    p = run("generate", "--kv-dtype", "int8", "--kv-budget", "64MiB", "--json", "--max-tokens", "8", "--raw",
+            "The capital of France is")
+    assert p.returncode == 0, p.stderr
+    assert "Paris" in json.loads(p.stdout)["text"]
+
+
 def test_prompt_longer_than_context():
     bad(["generate", "--ctx", "32", "word " * 60], "context window is 32 tokens")
 

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from edge_runtime.fused_decode import KV_KIND
 from edge_runtime.model_loader import load_model
 from kernels import cpu_gemv
 
@@ -37,3 +38,65 @@ def test_backend_uses_fused_step_and_greedy_matches_unfused(model_path):
     req = GenerationRequest(messages=[{"role": "user", "content": "Describe a rainy day."}],
                             params=SamplingParams(max_tokens=48))
     assert fused.generate(req).token_ids == plain.generate(req).token_ids
+
+
+@pytest.mark.parametrize("kv_dtype, tol", [("fp32", 1e-3), ("fp16", 5e-3), ("bf16", 3e-2), ("int8", 3e-2)])
+def test_fused_step_on_scattered_blocks_matches_torch_step(model_path, prose, kv_dtype, tol):
+    """One step from the same cache state, a shuffled block table, pools full of NaN beforehand: the C step
+    writes K/V rounded as torch does and attends over the right slots only."""
+    from edge_runtime.tokenizer import Tokenizer
+
+    model, gf = load_model(model_path, quant="gguf")
+    ids = Tokenizer.from_metadata(gf.metadata).encode(prose)[:40]
+    model.allocate_cache(256, num_blocks=32, block_size=8, kv_dtype=kv_dtype)
+    kv = model.kv
+    for pool in (kv.k_pool, kv.v_pool) + ((kv.k_scale_pool, kv.v_scale_pool) if kv.quantized else ()):
+        pool.fill_(127 if pool.dtype == torch.int8 else float("nan"))
+    table = torch.randperm(32, generator=torch.Generator().manual_seed(0)).tolist()
+    pos = 37
+    with torch.inference_mode():
+        model(torch.tensor(ids[:pos]), 0, block_table=table)  # prompt through the torch path
+        pools = (kv.k_pool, kv.v_pool) + ((kv.k_scale_pool, kv.v_scale_pool) if kv.quantized else ())
+        saved = [t.clone() for t in pools]
+        assert model.enable_fused(cpu_gemv.library())
+        fused = model(torch.tensor([ids[pos]]), pos, block_table=table)
+        slot = torch.tensor([table[pos // 8] * 8 + pos % 8])
+        written = [kv.read(layer, slot) for layer in range(kv.num_layers)]  # dequantized fp32
+        for t, old in zip(pools, saved):
+            t.copy_(old)
+        model.fused = None
+        plain = model(torch.tensor([ids[pos]]), pos, block_table=table)
+        again = [kv.read(layer, slot) for layer in range(kv.num_layers)]
+    assert torch.isfinite(fused).all()
+    assert (fused - plain).abs().max().item() < tol
+    # Rounded into the pool's dtype as torch rounds: the two differ by the fp32 difference of their
+    # inputs (summation order) plus at most one rounding step of the stored dtype.
+    rel = {"fp32": 0.0, "fp16": 2 ** -10, "bf16": 2 ** -7}
+    for (ck, cv), (tk, tv) in zip(written, again):
+        for a, b in ((ck, tk), (cv, tv)):
+            assert torch.isfinite(a).all()
+            step = (b.abs().amax(-1, keepdim=True) / 127 if kv_dtype == "int8" else b.abs() * rel[kv_dtype])
+            assert ((a - b).abs() <= 2e-3 + 2.01 * step).all()
+
+
+@pytest.mark.parametrize("build", ["native", "portable"])
+@pytest.mark.parametrize("kv_dtype", ["fp32", "fp16", "bf16", "int8"])
+def test_c_kv_store_rounds_exactly_as_torch_write(kv_dtype, build):
+    """Both builds (F16C intrinsics; the portable one's software half conversion) round as torch does,
+    and int8 rows are Hadamard-rotated with the same additions in the same order as torch's butterfly."""
+    from kernels.kv_cache import PagedKVCache
+
+    lib = cpu_gemv.library() if build == "native" else cpu_gemv.load_variant(cpu_gemv.SCALAR_FLAGS)
+    x = torch.randn(50, 3, 64, generator=torch.Generator().manual_seed(1)) * torch.logspace(-6, 4, 50).view(50, 1, 1)
+    x[0, 0, :5] = torch.tensor([0.0, -0.0, 65519.0, 65520.0, 1e-8])  # fp16 edges: max, overflow, subnormal
+    x[1, 1] = 0.0  # an all-zero int8 row (scale 0)
+    slots = torch.randperm(64, generator=torch.Generator().manual_seed(2))[:50]
+    a = PagedKVCache(1, 8, 8, 3, 64, kv_dtype)
+    b = PagedKVCache(1, 8, 8, 3, 64, kv_dtype)
+    a.write(0, slots, x, x)
+    lib.kv_store_rows(b.k_pool.data_ptr(), b.k_scale_pool.data_ptr() if b.quantized else None, KV_KIND[kv_dtype],
+                      int(b.rotated), slots.data_ptr(), 50, 3, 64, x.data_ptr())
+    flat = lambda t: t.view(-1, 3, 64)[slots]
+    assert torch.equal(flat(a.k_pool).view(torch.uint8), flat(b.k_pool).view(torch.uint8))
+    if a.quantized:
+        assert torch.equal(a.k_scale_pool.view(-1, 3)[slots], b.k_scale_pool.view(-1, 3)[slots])
