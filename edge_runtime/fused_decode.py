@@ -42,9 +42,8 @@ class FusedDecoder:
         self.kv_ptrs = (ctypes.c_void_p * len(ptrs))(*ptrs)
         self.table = torch.zeros(-(-m.n_ctx // kv.block_size), dtype=torch.int32)
         n_qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-        group = min(cfg.num_heads // cfg.num_kv_heads, 8)
         self.scratch = torch.empty(3 * cfg.dim + n_qkv + cfg.num_heads * cfg.head_dim + 3 * cfg.hidden_dim
-                                   + group * m.n_ctx)
+                                   + cfg.num_heads * m.n_ctx)
         self._tables_for = kv  # the tables point into this cache's pools
 
     def _whole_step(self, x: torch.Tensor, pos: int, block_table: list[int]) -> None:
