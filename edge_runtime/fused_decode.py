@@ -68,7 +68,8 @@ class FusedDecoder:
         all_gguf = all(getattr(lin, "mode", None) == "gguf" for blk in model.blocks
                        for lin in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down))
         return (all_gguf and model.device.type == "cpu" and b.qkv_bias is None and model.kv is not None
-                and model.cfg.head_dim <= 512 and model.cfg.head_dim % 2 == 0)
+                and model.cfg.head_dim <= 512 and model.cfg.head_dim % 2 == 0
+                and model.cfg.num_heads * model.cfg.head_dim <= 8192 and model.cfg.num_heads <= 1024)
 
     def step(self, token_id: int, pos: int, block_table: list[int]) -> torch.Tensor:
         """Logits fp32 [1, vocab] for `token_id` at position `pos` (its K/V are written into its slot)."""

@@ -172,23 +172,19 @@ static inline float dot(const float* a, const float* b, int n) {
     return d;
 }
 
-/* out[g * stride] = q[g] . k for the ng query rows q[g] = q + g * hd (k stays in L1 for all). */
-static inline void dots(const float* q, int ng, const float* k, int hd, float* out, int stride) {
-    for (int g = 0; g < ng; g++) out[g * stride] = dot(q + g * hd, k, hd);
-}
-
 /* qkv: [nh*hd | nkv*hd | nkv*hd] for one token at position pos. Applies rotate-half RoPE
  * (cos/sin rows of length hd) to q and k, writes k and v into the paged cache at pos, and attends
- * every query head over positions 0..pos of its KV head (query head h uses KV head h / (nh / nkv)),
- * walking the block table block by block and reading each K/V row once for all the query heads of
- * its KV head, KV heads on up to num_threads threads. out: [nh * hd]. scores: scratch
- * [nkv * min(nh / nkv, 8) * (pos + 1)]. */
+ * every query head over positions 0..pos of its KV head (query head h uses KV head h / (nh / nkv)).
+ * NOTE: the pools are walked in memory order (block by block, token by token, all KV heads of a
+ * token together), each row read once for all the query heads of its KV head: between layers the
+ * GEMVs evict the cache, and a head-by-head walk would pull every line from memory once per head.
+ * out: [nh * hd]. scores: scratch [nh * (pos + 1)]. nh * hd <= 8192. */
 void decode_rope_attend(const float* qkv, int nh, int nkv, int hd, const float* cos_row, const float* sin_row,
-                        const paged_kv* kv, int pos, float scale, float* out, float* scores, int num_threads) {
+                        const paged_kv* kv, int pos, float scale, float* out, float* scores) {
     const int half = hd / 2, group = nh / nkv, bs = kv->bs, n = pos + 1;
     const float* v = qkv + (nh + nkv) * hd;
     const size_t wslot = (size_t)kv->table[pos / bs] * bs + pos % bs;
-    float row[512];
+    float row[512], q[8192];
     for (int j = 0; j < nkv; j++) {  /* k with RoPE, v as is, into the cache */
         const float* k = qkv + (nh + j) * hd;
         for (int i = 0; i < half; i++) {
@@ -198,55 +194,49 @@ void decode_rope_attend(const float* qkv, int nh, int nkv, int hd, const float* 
         kv_store(kv->k, kv->ks, kv->kind, kv->rotated, wslot, nkv, j, hd, row);
         kv_store(kv->v, kv->vs, kv->kind, kv->rotated, wslot, nkv, j, hd, v + j * hd);
     }
-    /* KV heads in parallel when the context is long enough to pay for waking the threads */
-    const int nt = n >= 64 && nkv > 1 ? (num_threads < nkv ? num_threads : nkv) : 1;
-#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
-    for (int j = 0; j < nkv; j++) {
-        float row[512], q[8 * 512];
-        float* scores_j = scores + (size_t)j * (group < 8 ? group : 8) * n;
-        for (int g0 = 0; g0 < group; g0 += 8) {  /* up to 8 query heads of this KV head at a time */
-            const int ng = group - g0 < 8 ? group - g0 : 8;
-            for (int g = 0; g < ng; g++) {
-                const float* qs = qkv + (j * group + g0 + g) * hd;
-                float* qg = q + g * hd;
-                for (int i = 0; i < half; i++) {
-                    qg[i] = (qs[i] * cos_row[i] - qs[i + half] * sin_row[i]) * scale;
-                    qg[i + half] = (qs[i + half] * cos_row[i + half] + qs[i] * sin_row[i + half]) * scale;
-                }
-                if (kv->rotated) hadamard_rotate(qg, hd);  /* attend in the stored basis */
-            }
-            for (int s0 = 0, b = 0; s0 < n; s0 += bs, b++) {  /* scores, block by block */
-                const size_t base = (size_t)kv->table[b] * bs;
-                const int cnt = n - s0 < bs ? n - s0 : bs;
-                for (int t = 0; t < cnt; t++)
-                    dots(q, ng, kv_row(kv->k, kv->ks, kv->kind, base + t, nkv, j, hd, row), hd, scores_j + s0 + t, n);
-            }
-            float inv[8];
-            for (int g = 0; g < ng; g++) {
-                float* sc = scores_j + g * n;
-                float mx = -INFINITY, sum = 0.0f;
-                for (int s = 0; s < n; s++) mx = sc[s] > mx ? sc[s] : mx;
-                for (int s = 0; s < n; s++) { sc[s] = expf(sc[s] - mx); sum += sc[s]; }
-                inv[g] = 1.0f / sum;
-                float* o = out + (j * group + g0 + g) * hd;
-                for (int i = 0; i < hd; i++) o[i] = 0.0f;
-            }
-            for (int s0 = 0, b = 0; s0 < n; s0 += bs, b++) {  /* probabilities times V */
-                const size_t base = (size_t)kv->table[b] * bs;
-                const int cnt = n - s0 < bs ? n - s0 : bs;
-                for (int t = 0; t < cnt; t++) {
-                    const float* vr = kv_row(kv->v, kv->vs, kv->kind, base + t, nkv, j, hd, row);
-                    for (int g = 0; g < ng; g++) {
-                        const float p = scores_j[g * n + s0 + t] * inv[g];
-                        float* o = out + (j * group + g0 + g) * hd;
-                        for (int i = 0; i < hd; i++) o[i] += p * vr[i];
-                    }
-                }
-            }
-            if (kv->rotated)
-                for (int g = 0; g < ng; g++) hadamard_rotate(out + (j * group + g0 + g) * hd, hd);  /* back */
+    for (int h = 0; h < nh; h++) {  /* queries with RoPE, scaled, in the stored basis */
+        const float* qs = qkv + h * hd;
+        float* qh = q + h * hd;
+        for (int i = 0; i < half; i++) {
+            qh[i] = (qs[i] * cos_row[i] - qs[i + half] * sin_row[i]) * scale;
+            qh[i + half] = (qs[i + half] * cos_row[i + half] + qs[i] * sin_row[i + half]) * scale;
         }
+        if (kv->rotated) hadamard_rotate(qh, hd);
     }
+    for (int s0 = 0, b = 0; s0 < n; s0 += bs, b++) {  /* scores [nh, n] */
+        const size_t base = (size_t)kv->table[b] * bs;
+        const int cnt = n - s0 < bs ? n - s0 : bs;
+        for (int t = 0; t < cnt; t++)
+            for (int j = 0; j < nkv; j++) {
+                const float* kr = kv_row(kv->k, kv->ks, kv->kind, base + t, nkv, j, hd, row);
+                for (int g = 0; g < group; g++) scores[(j * group + g) * n + s0 + t] = dot(q + (j * group + g) * hd, kr, hd);
+            }
+    }
+    float inv[1024];
+    for (int h = 0; h < nh; h++) {
+        float* sc = scores + (size_t)h * n;
+        float mx = -INFINITY, sum = 0.0f;
+        for (int s = 0; s < n; s++) mx = sc[s] > mx ? sc[s] : mx;
+        for (int s = 0; s < n; s++) { sc[s] = expf(sc[s] - mx); sum += sc[s]; }
+        inv[h] = 1.0f / sum;
+    }
+    for (int i = 0; i < nh * hd; i++) out[i] = 0.0f;
+    for (int s0 = 0, b = 0; s0 < n; s0 += bs, b++) {  /* probabilities times V */
+        const size_t base = (size_t)kv->table[b] * bs;
+        const int cnt = n - s0 < bs ? n - s0 : bs;
+        for (int t = 0; t < cnt; t++)
+            for (int j = 0; j < nkv; j++) {
+                const float* vr = kv_row(kv->v, kv->vs, kv->kind, base + t, nkv, j, hd, row);
+                for (int g = 0; g < group; g++) {
+                    const int h = j * group + g;
+                    const float p = scores[(size_t)h * n + s0 + t] * inv[h];
+                    float* o = out + h * hd;
+                    for (int i = 0; i < hd; i++) o[i] += p * vr[i];
+                }
+            }
+    }
+    if (kv->rotated)
+        for (int h = 0; h < nh; h++) hadamard_rotate(out + h * hd, hd);  /* back to the model's basis */
 }
 
 /* gate_up: [2 * hidden] = [gate | up]; out[i] = silu(gate[i]) * up[i]. */
@@ -299,7 +289,7 @@ int decode_layers(int n_layers, const int* dims, float eps, float scale, const u
         if ((rc = gemv_of(lk[0])(lw[0], n_qkv, dim, normed, 1, qkv, nt))) return rc;
         kv.k = kv_pools[4 * l], kv.v = kv_pools[4 * l + 1];
         kv.ks = (float*)kv_pools[4 * l + 2], kv.vs = (float*)kv_pools[4 * l + 3];
-        decode_rope_attend(qkv, nh, nkv, hd, cos_row, sin_row, &kv, pos, scale, attn, scores, nt);
+        decode_rope_attend(qkv, nh, nkv, hd, cos_row, sin_row, &kv, pos, scale, attn, scores);
         if ((rc = gemv_of(lk[1])(lw[1], dim, nh * hd, attn, 1, o, nt))) return rc;
         decode_add_rmsnorm(x, o, norms[2 * l + 1], dim, eps, normed);
         if ((rc = gemv_of(lk[2])(lw[2], 2 * hidden, dim, normed, 1, gu, nt))) return rc;
