@@ -138,7 +138,7 @@ def measure_decode(kv_dtype: str, threads: int | None, repeats: int) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from kernels.attention import paged_decode_attention
+    from kernels.paged_attention import paged_decode_attention
     from kernels.kv_cache import PagedKVCache, hadamard_rotate, slot_tensor
 
     if threads:

@@ -113,7 +113,7 @@ def run_kv_bench(args) -> int:
     res["targets"] = {"int8_over_fp16": 0.55, "capacity_ratio": 3.0, "waste_slots_per_seq": 16,
                       "prefix_ttft_speedup": 5.0}
     res["date"] = time.strftime("%Y-%m-%d %H:%M:%S")
-    print(f"KV bytes/token: " + ", ".join(f"{k} {v}" for k, v in per_token.items())
+    print("KV bytes/token: " + ", ".join(f"{k} {v}" for k, v in per_token.items())
           + f"  (int8 / fp16 = {res['int8_over_fp16']:.3f}, target <= 0.55)")
     c = res["capacity"]
     print(f"{SEQ_TOKENS}-token sequences in {c['budget_mib']:.0f} MiB fp16: paged {c['paged_seqs']}, contiguous "

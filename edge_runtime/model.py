@@ -11,7 +11,7 @@ inputs internally, or fp32 reference layers). K/V live only in the paged cache
 (`kernels/kv_cache.py`: pools of fixed-size token blocks, fp32/fp16/bf16/int8);
 a forward pass gets the sequence's block table, writes the new tokens' K/V into
 their slots and attends over the table with the paged kernels of
-`kernels/attention.py`.
+`kernels/paged_attention.py`.
 
 This file knows nothing about GGUF, tokenization, sampling or which blocks a
 sequence owns (the block manager's business).
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.attention import paged_decode_attention, paged_prefill_attention
+from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 from kernels.kv_cache import PagedKVCache, read_layer, write_layer
 
 from .model_config import ModelConfig

@@ -1,4 +1,4 @@
-"""Attention kernels (kernels/attention.py) against the plain reference (kernels/reference.py).
+"""The attention kernels (attention.py, paged_attention.py) against kernels/reference.py.
 
 Every kernel is checked across head_dim 64/128, GQA ratios 1/3/4/8, lengths from one token to
 several blocks (block sizes 16 and 5, non-multiples included), causal and not, q_offset 0 and
@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels import attention as A
+from kernels import paged_attention as P
 from kernels.kv_cache import PagedKVCache, slot_tensor
 from kernels.reference import attention as reference
 
@@ -144,7 +145,7 @@ def test_helper_threads(monkeypatch):
             out = A.tiled_attention(q, k, v, causal=causal, q_offset=q_offset, tile_q=16, tile_k=16)
             assert max_err(out, ref64(q, k, v, causal=causal, q_offset=q_offset)) <= FP32_TOL
         with A.force_attention_backend("tiled"):
-            out = A.paged_prefill_attention(q, cache, 0, tables[0], 20, tile_q=16, tile_k=8, span_k=30)
+            out = P.paged_prefill_attention(q, cache, 0, tables[0], 20, tile_q=16, tile_k=8, span_k=30)
         assert max_err(out, ref64(q, *stored[0], causal=True, q_offset=20)) <= FP32_TOL
         assert torch.get_num_threads() == 2  # the helpers' one-thread setting stays theirs
     finally:
@@ -252,8 +253,8 @@ def test_paged_decode(kv_dtype, block_size, lengths, group, head_dim):
     q, _, _ = qkv(len(lengths), 1, group, head_dim, seed=99)
     seq_lens = torch.tensor(lengths)
     width = max(map(len, tables)) + 2
-    for pad, tile_tokens in ((cache.num_blocks - 1, 7), (-1, A.DECODE_TILE_TOKENS)):  # a NaN block; block -1
-        out = A.paged_decode_attention(q, cache, 0, padded(tables, width, pad), seq_lens, tile_tokens=tile_tokens)
+    for pad, tile_tokens in ((cache.num_blocks - 1, 7), (-1, P.DECODE_TILE_TOKENS)):  # a NaN block; block -1
+        out = P.paged_decode_attention(q, cache, 0, padded(tables, width, pad), seq_lens, tile_tokens=tile_tokens)
         assert out.shape == q.shape and torch.isfinite(out).all()
         for b in range(len(lengths)):
             # the kernel itself, on exactly the values the cache stores
@@ -276,7 +277,7 @@ def test_paged_prefill(kv_dtype, block_size, backend, num_tokens, q_offset, grou
     q, _, _ = qkv(num_tokens, 1, group, head_dim, seed=7)
     table = tables[0] + [cache.num_blocks - 1]  # a trailing NaN block the kernel must not need
     with A.force_attention_backend(backend):
-        out = A.paged_prefill_attention(q, cache, 0, table, q_offset, tile_q=8, tile_k=6, span_k=12)
+        out = P.paged_prefill_attention(q, cache, 0, table, q_offset, tile_q=8, tile_k=6, span_k=12)
     assert torch.isfinite(out).all()
     assert max_err(out, ref64(q, *stored[0], causal=True, q_offset=q_offset)) <= FP32_TOL
     assert max_err(out, ref64(q, *written[0], causal=True, q_offset=q_offset)) <= STORAGE_TOL[kv_dtype]
@@ -286,22 +287,22 @@ def test_paged_prefill_uses_dispatcher(monkeypatch):
     cache, tables, _, _ = paged_cache("fp16", 16, 3, 64, [40])
     q, _, _ = qkv(8, 1, 3, 64)
     table = torch.tensor(tables[0])
-    assert ran(lambda: A.paged_prefill_attention(q, cache, 0, table, 0)) == {"sdpa"}
-    assert ran(lambda: A.paged_prefill_attention(q, cache, 0, table, 32)) == {"sdpa_masked"}
+    assert ran(lambda: P.paged_prefill_attention(q, cache, 0, table, 0)) == {"sdpa"}
+    assert ran(lambda: P.paged_prefill_attention(q, cache, 0, table, 32)) == {"sdpa_masked"}
     monkeypatch.setattr(A, "SDPA_MASK_MAX_ELEMENTS", 0)
-    assert ran(lambda: A.paged_prefill_attention(q, cache, 0, table, 32)) == {"tiled"}
+    assert ran(lambda: P.paged_prefill_attention(q, cache, 0, table, 32)) == {"tiled"}
     with A.force_attention_backend("sdpa"):
-        assert ran(lambda: A.paged_prefill_attention(q, cache, 0, table, 32)) == {"sdpa_masked"}
+        assert ran(lambda: P.paged_prefill_attention(q, cache, 0, table, 32)) == {"sdpa_masked"}
     with A.force_attention_backend("tiled"):
-        assert ran(lambda: A.paged_prefill_attention(q, cache, 0, table, 0)) == {"tiled"}
+        assert ran(lambda: P.paged_prefill_attention(q, cache, 0, table, 0)) == {"tiled"}
 
 
 def test_paged_errors():
     cache, tables, _, _ = paged_cache("fp32", 16, 3, 64, [20])
     q, _, _ = qkv(1, 1, 3, 64)
     with pytest.raises(ValueError):
-        A.paged_decode_attention(q, cache, 0, padded(tables, 2, 0), torch.tensor([33]))  # longer than its table
+        P.paged_decode_attention(q, cache, 0, padded(tables, 2, 0), torch.tensor([33]))  # longer than its table
     with pytest.raises(ValueError):
-        A.paged_decode_attention(q, cache, 0, padded(tables, 2, 0), torch.tensor([0]))
+        P.paged_decode_attention(q, cache, 0, padded(tables, 2, 0), torch.tensor([0]))
     with pytest.raises(ValueError):
-        A.paged_prefill_attention(q.expand(30, -1, -1), cache, 0, tables[0][:1], 0)  # 30 tokens in one block
+        P.paged_prefill_attention(q.expand(30, -1, -1), cache, 0, tables[0][:1], 0)  # 30 tokens in one block
