@@ -88,8 +88,3 @@ class KVCacheConfig:
         if isinstance(self.budget, float):
             return int(available_memory(device) * self.budget)
         return min(DEFAULT_WINDOWS * n_ctx * per_token, int(available_memory(device) * DEFAULT_SHARE))
-
-    def num_blocks(self, model_cfg, n_ctx: int, device="cpu") -> int:
-        return PagedKVCache.blocks_for_budget(self.budget_bytes(model_cfg, n_ctx, device), model_cfg.num_layers,
-                                              self.block_size, model_cfg.num_kv_heads, model_cfg.head_dim,
-                                              self.kv_dtype)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
-from kernels.kv_cache import PagedKVCache, read_layer, write_layer
+from kernels.kv_cache import PagedKVCache, read_layer, slot_tensor, write_layer
 
 from .model_config import ModelConfig
 
@@ -41,10 +41,9 @@ class AttentionMetadata:
 
     @classmethod
     def build(cls, block_table: list[int], pos0: int, num_tokens: int, block_size: int, device) -> "AttentionMetadata":
-        table = torch.tensor(block_table, dtype=torch.long)
-        pos = torch.arange(pos0, pos0 + num_tokens)
-        slots = table[pos // block_size] * block_size + pos % block_size
-        return cls(pos0, slots.to(device), table.to(device), torch.tensor([pos0 + num_tokens], device=device))
+        slots = slot_tensor(block_table, pos0, pos0 + num_tokens, block_size, device)
+        table = torch.tensor(block_table, dtype=torch.long, device=device)
+        return cls(pos0, slots, table, torch.tensor([pos0 + num_tokens], device=device))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -171,8 +170,7 @@ class Transformer(nn.Module):
         cos = self.cos[pos0:pos0 + num_tokens].unsqueeze(1)  # [T, 1, hd]
         sin = self.sin[pos0:pos0 + num_tokens].unsqueeze(1)
         if num_tokens == 1 and self.block_step is not None:  # compiled: one graph for every layer
-            pos = torch.arange(pos0 + 1, device=self.device)
-            read_slots = meta.block_table[pos // self.kv.block_size] * self.kv.block_size + pos % self.kv.block_size
+            read_slots = slot_tensor(table, 0, pos0 + 1, self.kv.block_size, self.device)
             for layer, block in enumerate(self.blocks):
                 x = self.block_step(block, x, cos, sin, self.kv.layer(layer), meta.slots, read_slots)
         else:

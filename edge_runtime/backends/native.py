@@ -13,6 +13,8 @@ import os
 
 import torch
 
+from kernels.kv_cache import PagedKVCache
+
 from ..block_manager import BlockManager
 from ..chat_template import ChatTemplate
 from ..compile_cache import CompileCache
@@ -33,8 +35,9 @@ class NativeRunner:
         self.add_bos = bool(tokenizer.add_bos_token)
         self.bos_id = tokenizer.bos_id
         self.kv_config = kv = kv_config or KVCacheConfig()
-        budget = kv.budget_bytes(model.cfg, n_ctx, model.device)
-        num_blocks = kv.num_blocks(model.cfg, n_ctx, model.device)
+        budget = kv.budget_bytes(model.cfg, n_ctx, model.device)  # read once: available memory moves
+        num_blocks = PagedKVCache.blocks_for_budget(budget, model.cfg.num_layers, kv.block_size,
+                                                    model.cfg.num_kv_heads, model.cfg.head_dim, kv.kv_dtype)
         if num_blocks < 1:
             raise ContextLengthError(f"KV budget {format_bytes(budget)} ({kv.kv_dtype}) holds less than one "
                                      f"block of {kv.block_size} tokens")
