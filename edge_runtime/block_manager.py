@@ -145,6 +145,10 @@ class BlockManager:
         self.num_hit_tokens += num_cached_tokens
         return num_cached_tokens
 
+    def num_cached_prefix(self, token_ids: Sequence[int]) -> int:
+        """Tokens `allocate(token_ids)` would find cached now; changes nothing (not even the stats)."""
+        return len(self._match_prefix(list(token_ids))[0]) * self.block_size if token_ids else 0
+
     def append(self, seq_id: Hashable, token_ids: Sequence[int]) -> bool:
         """Extend the sequence by tokens to be computed (generated or drafts).
 

@@ -1,4 +1,4 @@
-"""`edge-runtime` command line: generate, chat, perplexity, bench (decode, kv, attention).
+"""`edge-runtime` command line: generate, chat, perplexity, worker, bench (decode, kv, attention, batching).
 
 Converts arguments into requests and prints results; user errors become one
 line on stderr and exit status 2, never a traceback.
@@ -129,9 +129,19 @@ def cmd_bench(args) -> int:
 
         run_attention_bench(args.json_file, threads=args.threads)
         return 0
+    if args.name == "batching":
+        from cloud_fallback.bench_batching import run_batching_bench
+
+        return run_batching_bench(args)
     from .bench import run_bench
 
     return run_bench(args)
+
+
+def cmd_worker(args) -> int:
+    from cloud_fallback.worker_main import run_worker  # the CLI wires the cloud side in; nothing else imports it
+
+    return run_worker(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -157,12 +167,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file")
     p.set_defaults(func=cmd_perplexity, ctx=512)
 
+    w = sub.add_parser("worker", help="the cloud worker: WebSocket server with continuous batching "
+                                      "(docs/protocol.md)")
+    _add_model_args(w, backend=False)
+    from cloud_fallback.worker_main import add_worker_args
+
+    add_worker_args(w)
+    w.set_defaults(func=cmd_worker)
+
     b = sub.add_parser("bench", help="benchmarks (each against its anchor, in one run)")
-    b.add_argument("name", choices=["decode", "kv", "attention"])
+    b.add_argument("name", choices=["decode", "kv", "attention", "batching"])
     b.add_argument("--model", default="default")
     b.add_argument("--threads", type=int, default=None)
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--json", dest="json_file", default=None, help="write results to this JSON file")
+    bb = b.add_argument_group("batching")
+    bb.add_argument("--requests", type=int, default=100, help="batching: requests in the workload")
+    bb.add_argument("--max-batch", type=int, default=8, help="batching: the worker's max batch")
+    bb.add_argument("--quant", default="auto", help="batching: the worker's weights (auto = GGUF int4 kernels, "
+                    "bf16/fp32 = the same weights dequantized)")
+    bb.add_argument("--skip-sequential", action="store_true", help="batching: skip the one-at-a-time schedule")
+    bb.add_argument("--peer", default=None, help="batching: an OpenAI-compatible server at max batch 8 "
+                    "(e.g. vLLM, http://127.0.0.1:8001/v1), measured side by side")
+    bb.add_argument("--peer-default", default=None, help="batching: the same server at its default batch; "
+                    "compared with our worker at --default-batch")
+    bb.add_argument("--default-batch", type=int, default=256, help="batching: our max batch against --peer-default")
     b.set_defaults(func=cmd_bench)
     return parser
 

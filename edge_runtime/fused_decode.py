@@ -62,6 +62,42 @@ class FusedDecoder:
                                     m.sin[pos].data_ptr(), x.data_ptr(), self.scratch.data_ptr())
         assert rc == 0, rc
 
+    def step_batch(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor:
+        """Logits fp32 [M, vocab] for M tokens of M different sequences (M <= cpu_gemv.MAX_M), token m
+        at positions[m] of the sequence whose blocks are block_tables[m]. Each row's result equals
+        `step` of that token alone: the C code runs every row through the one-token operations."""
+        from kernels import cpu_gemv
+
+        m, cfg = self.model, self.cfg
+        if self._tables_for is not m.kv:
+            self._tables()
+        num = len(token_ids)
+        assert 1 <= num <= cpu_gemv.MAX_M, num
+        bs = m.kv.block_size
+        stride = max(p // bs + 1 for p in positions)
+        tables = torch.zeros(num, stride, dtype=torch.int32)
+        for row, (table, pos) in enumerate(zip(block_tables, positions)):
+            n = pos // bs + 1
+            assert len(table) >= n, "each block table must cover its new position"
+            tables[row, :n] = torch.tensor(table[:n], dtype=torch.int32)
+        max_pos = max(positions)
+        x = m.embedding(torch.tensor(token_ids)).reshape(num, cfg.dim).contiguous()  # updated in place
+        n_row = 3 * cfg.dim + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim + cfg.num_heads * cfg.head_dim
+        scratch = torch.empty(num * (n_row + 3 * cfg.hidden_dim + cfg.num_heads * (max_pos + 1)))
+        pos_arr = (ctypes.c_int * num)(*positions)
+        cos = (ctypes.c_void_p * num)(*[m.cos[p].data_ptr() for p in positions])
+        sin = (ctypes.c_void_p * num)(*[m.sin[p].data_ptr() for p in positions])
+        dims = (ctypes.c_int * 10)(cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_dim,
+                                   max_pos, cpu_gemv.threads(), bs, KV_KIND[m.kv.kv_dtype], int(m.kv.rotated))
+        rc = self.lib.decode_layers_batch(cfg.num_layers, num, dims, self.eps, self.scale, self.w_ptrs, self.kinds,
+                                          self.norm_ptrs, self.kv_ptrs, tables.data_ptr(), stride, pos_arr, cos, sin,
+                                          x.data_ptr(), scratch.data_ptr())
+        assert rc == 0, rc
+        normed = torch.empty(num, cfg.dim)
+        for row in range(num):
+            self.lib.add_rmsnorm(x[row].data_ptr(), None, m.norm.data_ptr(), cfg.dim, self.eps, normed[row].data_ptr())
+        return m.output(normed).float()
+
     @staticmethod
     def usable(model) -> bool:
         b = model.blocks[0]

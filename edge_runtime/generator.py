@@ -80,7 +80,7 @@ def generate_stream(runner: Runner, template: ChatTemplate, request: GenerationR
         token = sampler.sample(logits, history)
         if t_first is None:
             t_first = time.perf_counter()
-        if token in runner.eog_ids:
+        if token in runner.eog_ids and not params.ignore_eos:
             finish = "stop"
             break
         generated.append(token)

@@ -32,6 +32,7 @@ class SamplingParams:
     repeat_last_n: int = 64
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False  # keep generating past end-of-turn tokens (benchmarks: exact output lengths)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -60,6 +61,8 @@ class SamplingParams:
             raise bad("repeat_last_n", self.repeat_last_n, "must be an integer >= 0")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise bad("seed", self.seed, "must be an integer")
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", self.ignore_eos, "must be true or false")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not all(isinstance(s, str) and s for s in self.stop):

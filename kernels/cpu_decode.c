@@ -259,45 +259,65 @@ static gemv_fn gemv_of(int kind) {
     return kind == 0 ? q4_0_gemv : kind == 1 ? q4_1_gemv : kind == 8 ? q8_0_gemv : kind == 4 ? q4_k_gemv : 0;
 }
 
-/* dims: dim, nh, nkv, hd, hidden, pos, num_threads, block_size, kv_kind, rotated. Per l, w[4 l + j]
+/* dims: dim, nh, nkv, hd, hidden, max_pos, num_threads, block_size, kv_kind, rotated. Per l, w[4 l + j]
  * and kinds[4 l + j] for j = qkv, o, gate_up, down (raw GGUF rows, kind codes as gguf_dequantize's);
  * norms[2 l + j] for j = attn, ffn; kv_pools[4 l + j] for j = k pool, v pool, k scales, v scales
- * (scales NULL unless int8); table: the sequence's block table. x [dim] is the residual stream,
- * updated in place (the last layer's MLP output is added). scratch: at least
- * dim * 3 + (nh + 2 nkv) hd + nh hd + 3 hidden + nh (pos + 1) floats. Returns 0, or the
- * failing GEMV's rc. */
-int decode_layers(int n_layers, const int* dims, float eps, float scale, const uint8_t** w, const int* kinds,
-                  const float** norms, void** kv_pools, const int* table, const float* cos_row,
-                  const float* sin_row, float* x, float* scratch) {
+ * (scales NULL unless int8). M tokens (M <= 8), each of its own sequence: token m is at position
+ * pos[m], its sequence's block table is tables + m * table_stride, its RoPE rows cos_rows[m] and
+ * sin_rows[m]. x [M, dim] is the residual stream, updated in place (the last layer's MLP output is
+ * added). Every row goes through exactly the operations of a one-token step (the GEMVs compute each
+ * row on its own), so a token's result does not depend on what else is in the batch.
+ * scratch: at least M * (dim * 3 + (nh + 2 nkv) hd + nh hd + 3 hidden + nh (max_pos + 1)) floats.
+ * Returns 0, or the failing GEMV's rc. */
+int decode_layers_batch(int n_layers, int M, const int* dims, float eps, float scale, const uint8_t** w,
+                        const int* kinds, const float** norms, void** kv_pools, const int* tables,
+                        int table_stride, const int* pos, const float** cos_rows, const float** sin_rows,
+                        float* x, float* scratch) {
     const int dim = dims[0], nh = dims[1], nkv = dims[2], hd = dims[3], hidden = dims[4];
-    const int pos = dims[5], nt = dims[6];
-    paged_kv kv = {0, 0, 0, 0, table, dims[7], dims[8], dims[9]};
+    const int max_pos = dims[5], nt = dims[6];
     const int n_qkv = (nh + 2 * nkv) * hd;
+    const size_t n_scores = (size_t)nh * (max_pos + 1);
     float* normed = scratch;
-    float* qkv = normed + dim;
-    float* attn = qkv + n_qkv;
-    float* o = attn + nh * hd;
-    float* gu = o + dim;
-    float* act = gu + 2 * hidden;
-    float* down = act + hidden;
-    float* scores = down + dim;
+    float* qkv = normed + (size_t)M * dim;
+    float* attn = qkv + (size_t)M * n_qkv;
+    float* o = attn + (size_t)M * nh * hd;
+    float* gu = o + (size_t)M * dim;
+    float* act = gu + (size_t)M * 2 * hidden;
+    float* down = act + (size_t)M * hidden;
+    float* scores = down + (size_t)M * dim;
     int rc;
     for (int l = 0; l < n_layers; l++) {
         const uint8_t** lw = w + 4 * l;
         const int* lk = kinds + 4 * l;
-        decode_add_rmsnorm(x, l ? down : 0, norms[2 * l], dim, eps, normed);
-        if ((rc = gemv_of(lk[0])(lw[0], n_qkv, dim, normed, 1, qkv, nt))) return rc;
-        kv.k = kv_pools[4 * l], kv.v = kv_pools[4 * l + 1];
-        kv.ks = (float*)kv_pools[4 * l + 2], kv.vs = (float*)kv_pools[4 * l + 3];
-        decode_rope_attend(qkv, nh, nkv, hd, cos_row, sin_row, &kv, pos, scale, attn, scores);
-        if ((rc = gemv_of(lk[1])(lw[1], dim, nh * hd, attn, 1, o, nt))) return rc;
-        decode_add_rmsnorm(x, o, norms[2 * l + 1], dim, eps, normed);
-        if ((rc = gemv_of(lk[2])(lw[2], 2 * hidden, dim, normed, 1, gu, nt))) return rc;
-        decode_silu_mul(gu, hidden, act);
-        if ((rc = gemv_of(lk[3])(lw[3], dim, hidden, act, 1, down, nt))) return rc;
+        for (int m = 0; m < M; m++)
+            decode_add_rmsnorm(x + (size_t)m * dim, l ? down + (size_t)m * dim : 0, norms[2 * l], dim, eps,
+                               normed + (size_t)m * dim);
+        if ((rc = gemv_of(lk[0])(lw[0], n_qkv, dim, normed, M, qkv, nt))) return rc;
+#pragma omp parallel for num_threads(nt > 1 && M > 1 ? nt : 1) schedule(dynamic, 1)
+        for (int m = 0; m < M; m++) {
+            paged_kv kv = {kv_pools[4 * l], kv_pools[4 * l + 1], (float*)kv_pools[4 * l + 2],
+                           (float*)kv_pools[4 * l + 3], tables + (size_t)m * table_stride, dims[7], dims[8], dims[9]};
+            decode_rope_attend(qkv + (size_t)m * n_qkv, nh, nkv, hd, cos_rows[m], sin_rows[m], &kv, pos[m], scale,
+                               attn + (size_t)m * nh * hd, scores + (size_t)m * n_scores);
+        }
+        if ((rc = gemv_of(lk[1])(lw[1], dim, nh * hd, attn, M, o, nt))) return rc;
+        for (int m = 0; m < M; m++)
+            decode_add_rmsnorm(x + (size_t)m * dim, o + (size_t)m * dim, norms[2 * l + 1], dim, eps,
+                               normed + (size_t)m * dim);
+        if ((rc = gemv_of(lk[2])(lw[2], 2 * hidden, dim, normed, M, gu, nt))) return rc;
+        for (int m = 0; m < M; m++) decode_silu_mul(gu + (size_t)m * 2 * hidden, hidden, act + (size_t)m * hidden);
+        if ((rc = gemv_of(lk[3])(lw[3], dim, hidden, act, M, down, nt))) return rc;
     }
-    for (int i = 0; i < dim; i++) x[i] += down[i];
+    for (size_t i = 0; i < (size_t)M * dim; i++) x[i] += down[i];
     return 0;
+}
+
+/* One token: decode_layers_batch with M = 1 (dims[5] is its position; table its block table). */
+int decode_layers(int n_layers, const int* dims, float eps, float scale, const uint8_t** w, const int* kinds,
+                  const float** norms, void** kv_pools, const int* table, const float* cos_row,
+                  const float* sin_row, float* x, float* scratch) {
+    return decode_layers_batch(n_layers, 1, dims, eps, scale, w, kinds, norms, kv_pools, table, 0, dims + 5,
+                               &cos_row, &sin_row, x, scratch);
 }
 
 /* Test hook: store n rows x[n, nkv, hd] into the given slots of one pool pair's K side, as the decode

@@ -88,8 +88,8 @@ ALWAYS_INLINE void q4_k_scale_min(const uint8_t* s, int j, int* sc, int* mn) {
 
 /* xs[m * nsub + b] = sum of x[m, 32 b .. 32 b + 31] (x: [M, K], xs: [M, K / 32]), and the
  * AVX2 path's affine table xa (see tile_blocks32), 8 floats per entry, zero-padded:
- * M <= 2: xa[(m * nsub + b) * 8 + i] with [d, m, 0..] . xa = the block's affine term, i.e.
- * lane 1 = xs (Q4_1) or lane 0 = -8 xs (Q4_0); M > 2: xa[b * 8 + m] = xs (Q4_1) or -8 xs (Q4_0). */
+ * xa[(m * nsub + b) * 8 + i] with [d, m, 0..] . xa = the block's affine term, i.e.
+ * lane 1 = xs (Q4_1) or lane 0 = -8 xs (Q4_0). */
 static void block_sums(const float* x, int M, int K, int kind, float* xs, float* xa) {
     const int nsub = K / QK;
     const float scale = kind == 0 ? -8.f : 1.f;
@@ -101,10 +101,7 @@ static void block_sums(const float* x, int M, int K, int kind, float* xs, float*
             for (int i = 0; i < QK; i++) s += p[i];
             const size_t j = (size_t)m * nsub + b;
             xs[j] = s;
-            if (M > 2)
-                xa[(size_t)b * 8 + m] = scale * s;
-            else
-                xa[j * 8 + (kind == 1)] = scale * s;
+            xa[j * 8 + (kind == 1)] = scale * s;
         }
 }
 
@@ -156,23 +153,23 @@ ALWAYS_INLINE void unpack_block(const uint8_t* blk, const int KIND, __m256* w) {
  * Per block: decode each row's block once, then one FMA chain per (row, m). R = 2 for
  * M <= 2 (two rows give two independent chains); R = 1 otherwise (the M chains are enough).
  * The block's fp16 (d, m) become one [d, m, 0, 0] vector: d is broadcast for the dot. The
- * affine term (m * sum(x), or -8 d * sum(x) for Q4_0) is one FMA per block: for M <= 2 one
- * 128-bit FMA per token of [d, m, 0, 0] with its xa row; for M > 2 one FMA for all tokens,
- * the scalar broadcast times xa[b] = the M block sums across lanes.
+ * affine term (m * sum(x), or -8 d * sum(x) for Q4_0) is one 128-bit FMA per block and token
+ * of [d, m, 0, 0] with its xa row, added before the horizontal sum. Each token's result is
+ * computed by the same operations in the same order whatever M is (batch invariance: a token
+ * decoded in a continuous batch gets bit-identical logits to the same token decoded alone).
+ * NOTE: one FMA for all tokens (the block sums across lanes) measured a little faster for M > 2
+ * but rounds differently from M <= 2, which broke that invariance.
  * NOTE: this core sustains ~3.5 instructions per cycle, so instruction count is the cost model
  * (gathering 8 blocks' scales with vpgatherdd, or 8-rows-per-lane layouts, measured slower). */
 ALWAYS_INLINE void tile_blocks32(const uint8_t* row, size_t row_bytes, int nb, const float* x, int K,
                                  const float* xa, float* y, int N, const int R, const int M, const int KIND) {
     const int BYTES = KIND == 0 ? Q4_0_BYTES : KIND == 1 ? Q4_1_BYTES : Q8_0_BYTES;
-    const int SPLIT = M <= 2;
-    __m256 acc[2][MAX_M], aff[2];
+    __m256 acc[2][MAX_M];
     __m128 macc[2][MAX_M];
 #pragma GCC unroll 2
-    for (int r = 0; r < R; r++) {
-        aff[r] = _mm256_setzero_ps();
+    for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
         for (int m = 0; m < M; m++) { acc[r][m] = _mm256_setzero_ps(); macc[r][m] = _mm_setzero_ps(); }
-    }
     for (int b = 0; b < nb; b++) {
 #pragma GCC unroll 2
         for (int r = 0; r < R; r++) {
@@ -184,25 +181,18 @@ ALWAYS_INLINE void tile_blocks32(const uint8_t* row, size_t row_bytes, int nb, c
             const __m256 vd = _mm256_broadcastss_ps(dm);
             __m256 w[4];
             unpack_block(blk, KIND, w);
-            if (KIND != 8 && !SPLIT) {
-                const __m256 s = KIND == 1 ? _mm256_permutevar8x32_ps(_mm256_zextps128_ps256(dm), _mm256_set1_epi32(1)) : vd;
-                aff[r] = _mm256_fmadd_ps(s, _mm256_load_ps(xa + (size_t)b * 8), aff[r]);
-            }
 #pragma GCC unroll 8
             for (int m = 0; m < M; m++) {
                 acc[r][m] = _mm256_fmadd_ps(vd, dot32(w, x + (size_t)m * K + (size_t)b * QK), acc[r][m]);
-                if (KIND != 8 && SPLIT) macc[r][m] = _mm_fmadd_ps(dm, _mm_load_ps(xa + ((size_t)m * nb + b) * 8), macc[r][m]);
+                if (KIND != 8) macc[r][m] = _mm_fmadd_ps(dm, _mm_load_ps(xa + ((size_t)m * nb + b) * 8), macc[r][m]);
             }
         }
     }
 #pragma GCC unroll 2
-    for (int r = 0; r < R; r++) {
-        float af[8];
-        _mm256_storeu_ps(af, aff[r]);
+    for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
         for (int m = 0; m < M; m++)
-            y[(size_t)m * N + r] = hsum256(_mm256_add_ps(acc[r][m], _mm256_zextps128_ps256(macc[r][m]))) + (SPLIT ? 0.f : af[m]);
-    }
+            y[(size_t)m * N + r] = hsum256(_mm256_add_ps(acc[r][m], _mm256_zextps128_ps256(macc[r][m])));
 }
 
 /* One Q4_K row: per super-block, 4 chunks of 32 bytes; low nibbles are sub-block 2j,

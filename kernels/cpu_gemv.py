@@ -108,6 +108,9 @@ class _Library:
         self.decode_layers = self.lib.decode_layers
         self.decode_layers.argtypes = [i, p, f, f, p, p, p, p, p, p, p, p, p]
         self.decode_layers.restype = ctypes.c_int
+        self.decode_layers_batch = self.lib.decode_layers_batch
+        self.decode_layers_batch.argtypes = [i, i, p, f, f, p, p, p, p, p, i, p, p, p, p, p]
+        self.decode_layers_batch.restype = ctypes.c_int
         self.kv_store_rows = self.lib.decode_kv_store_rows
         self.kv_store_rows.argtypes, self.kv_store_rows.restype = [p, p, i, i, p, i, i, i, p], None
 

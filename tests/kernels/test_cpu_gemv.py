@@ -186,3 +186,30 @@ def test_dequantize_matches_gguf_exactly(kind):
     want = gguf_dequantize(raw, GGMLQuantizationType[kind.upper()]).reshape(n, k)
     got = cpu_gemv.dequantize(kind, torch.from_numpy(raw), n, k).numpy()
     np.testing.assert_array_equal(got, want.astype(np.float32))
+
+
+@pytest.mark.parametrize("build", ["native", "portable"])
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q8_0", "q4_k"])
+def test_each_token_is_computed_alone_whatever_the_batch(kind, build):
+    """Batch invariance, which makes continuous batching lossless: a token's output row is bit-identical
+    whether it is multiplied alone or with 1..7 others (every M, every thread count), and the layer
+    (GGUFLinear) splits up to 64 tokens into such GEMVs."""
+    from kernels.gguf_linear import GGUFLinear
+
+    lib = cpu_gemv.library() if build == "native" else cpu_gemv.load_variant(cpu_gemv.SCALAR_FLAGS)
+    rows = make_rows(kind, 130, 512, seed=3)
+    x = np.random.default_rng(5).standard_normal((8, 512)).astype(np.float32)
+    weight = torch.from_numpy(rows)
+    alone = [cpu_gemv.gemv(kind, weight, torch.from_numpy(x[i:i + 1]), 130, lib=lib)[0] for i in range(8)]
+    for m in range(2, 9):
+        for threads in (1, 2):
+            got = cpu_gemv.gemv(kind, weight, torch.from_numpy(x[:m]), 130, num_threads=threads, lib=lib)
+            for i in range(m):
+                assert torch.equal(got[i], alone[i]), (m, threads, i)
+    if build == "native":
+        layer = GGUFLinear(T[kind.upper()], rows, (130, 512))
+        xs = torch.randn(40, 512, generator=torch.Generator().manual_seed(0))
+        with torch.inference_mode():
+            together = layer(xs)
+            for i in (0, 9, 17, 39):
+                assert torch.equal(together[i], layer(xs[i:i + 1])[0]), i

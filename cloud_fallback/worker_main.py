@@ -1,0 +1,131 @@
+"""`edge-runtime worker`: arguments -> token, limits, TLS, a source (engine or upstream) -> serve."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import secrets
+import signal
+import ssl
+import sys
+
+from edge_runtime.errors import EdgeRuntimeError
+
+from .worker import Worker, WorkerLimits, serve_worker
+
+
+def add_worker_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
+    p.add_argument("--port", type=int, default=8765, help="port (0: any free port, printed at start)")
+    p.add_argument("--token-file", default=None, help="file holding the token clients must send in hello "
+                   "(default: a random token, printed at start)")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate: serve wss:// (with --tls-key)")
+    p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
+    p.add_argument("--upstream", default=None, help="forward requests to this OpenAI-compatible server "
+                   "(e.g. http://127.0.0.1:8000/v1: vLLM, SGLang, llama.cpp server) instead of running a model")
+    p.add_argument("--upstream-model", default=None, help="model name on the upstream server (default: its first)")
+    p.add_argument("--upstream-key-file", default=None, help="file holding the upstream server's API key")
+    p.add_argument("--max-batch", type=int, default=8, help="sequences per step (continuous batching)")
+    p.add_argument("--max-batched-tokens", type=int, default=512, help="tokens computed per step")
+    p.add_argument("--chunk-size", type=int, default=256, help="prefill chunk size (a multiple of 16)")
+    p.add_argument("--max-tokens", dest="limit_max_tokens", type=int, default=2048, help="limit on max_tokens")
+    p.add_argument("--max-prompt-tokens", type=int, default=8000, help="limit on prompt tokens")
+    p.add_argument("--max-streams-per-connection", type=int, default=16)
+    p.add_argument("--max-streams", type=int, default=256, help="streams in flight in total")
+    p.add_argument("--max-frame-bytes", type=int, default=1 << 20)
+    p.add_argument("--resume-grace", type=float, default=30.0, help="seconds a stream stays resumable")
+
+
+def _read_secret(path: str, what: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = f.read().strip()
+    except OSError as e:
+        raise EdgeRuntimeError(f"cannot read {what} file {path}: {e.strerror}") from None
+    if not value:
+        raise EdgeRuntimeError(f"{what} file {path} is empty")
+    return value
+
+
+def _tls(args) -> ssl.SSLContext | None:
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise EdgeRuntimeError("--tls-cert and --tls-key go together")
+    if not args.tls_cert:
+        return None
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_cert_chain(args.tls_cert, args.tls_key)
+    except (OSError, ssl.SSLError) as e:
+        raise EdgeRuntimeError(f"cannot load the TLS certificate/key: {e}") from None
+    return ctx
+
+
+def _limits(args) -> WorkerLimits:
+    for name in ("limit_max_tokens", "max_prompt_tokens", "max_streams_per_connection", "max_streams",
+                 "max_frame_bytes", "max_batch"):
+        if getattr(args, name) < 1:
+            raise EdgeRuntimeError(f"--{name.replace('limit_', '').replace('_', '-')} must be >= 1")
+    if args.resume_grace < 0:
+        raise EdgeRuntimeError("--resume-grace must be >= 0")
+    return WorkerLimits(max_frame_bytes=args.max_frame_bytes, max_prompt_tokens=args.max_prompt_tokens,
+                        max_tokens=args.limit_max_tokens, max_streams_per_connection=args.max_streams_per_connection,
+                        max_streams_total=args.max_streams, resume_grace_s=args.resume_grace)
+
+
+def run_worker(args) -> int:
+    token = _read_secret(args.token_file, "token") if args.token_file else None
+    limits, tls = _limits(args), _tls(args)
+    engine = None
+    if args.upstream is None:
+        from edge_runtime.batch_engine import load_engine
+        from edge_runtime.scheduler import SchedulerConfig
+
+        config = SchedulerConfig(args.max_batch, max(args.max_batched_tokens, args.chunk_size + args.max_batch),
+                                 args.chunk_size)
+        try:
+            config.validate(args.kv_block_size if hasattr(args, "kv_block_size") else 16)
+        except ValueError as e:
+            raise EdgeRuntimeError(str(e)) from None
+        engine = load_engine(args.model, n_ctx=args.ctx, threads=args.threads, quant=args.quant, device=args.device,
+                             kv_dtype=args.kv_dtype, kv_budget=args.kv_budget, config=config)
+    if token is None:
+        token = secrets.token_urlsafe(24)
+        print(f"edge-runtime worker: token {token} (pass --token-file to choose one)", file=sys.stderr, flush=True)
+    return asyncio.run(_serve(args, token, limits, tls, engine))
+
+
+async def _serve(args, token: str, limits: WorkerLimits, tls, engine) -> int:
+    from .sources import EngineSource, UpstreamSource
+
+    loop = asyncio.get_running_loop()
+    worker = Worker(token, limits)
+    if engine is not None:
+        source = EngineSource(engine.start(), loop, worker.emit)
+    else:
+        from edge_runtime.chat_template import ChatTemplate
+        from edge_runtime.model_path import resolve_model_path
+
+        from .upstream import Upstream
+
+        key = _read_secret(args.upstream_key_file, "upstream key") if args.upstream_key_file else None
+        template = ChatTemplate.from_gguf(resolve_model_path(args.model)) if args.model else None
+        upstream = Upstream(args.upstream, api_key=key, model=args.upstream_model, template=template)
+        name = await upstream.open()  # fails early, naming the server, when it is unreachable
+        source = UpstreamSource(upstream, worker.emit, name)
+    worker.attach(source)
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    scheme = "wss" if tls else "ws"
+
+    def ready(port: int) -> None:
+        print(f"edge-runtime worker: listening on {scheme}://{args.host}:{port} (model {source.model_name}, "
+              f"{source.kind}; pid {os.getpid()})", flush=True)
+
+    try:
+        await serve_worker(worker, args.host, args.port, ssl=tls, ready=ready, stop=stop)
+    except OSError as e:
+        raise EdgeRuntimeError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    finally:
+        await source.aclose()
+    return 0
