@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.paged_attention import paged_decode_attention
+from kernels.kv_cache import slot_tensor
+from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 
 from .model import rms_norm
 from .scheduler import ScheduledChunk
@@ -31,6 +32,9 @@ class BatchRunner:
 
             decode_group = MAX_M if model.fused is not None else 256
         self.decode_group = decode_group
+        # prefill chunks up to this many tokens (in total) share one pass; the GGUF layers compute up
+        # to 64 rows as row-by-row GEMVs, so packing them changes no row's result
+        self.varlen_max_tokens = 64
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk], copies=()) -> list[torch.Tensor | None]:
@@ -40,12 +44,21 @@ class BatchRunner:
             model.kv.copy_blocks(copies)
         out: list[torch.Tensor | None] = [None] * len(chunks)
         decodes = [i for i, c in enumerate(chunks) if c.end - c.start == 1]
+        small: list[int] = []  # prefill chunks packed into one variable-length forward
         for i, c in enumerate(chunks):
-            if c.end - c.start > 1:
+            n = c.end - c.start
+            if n > self.varlen_max_tokens:
                 ids = torch.tensor(c.token_ids, dtype=torch.long, device=model.device)
                 logits = model(ids, c.start, block_table=c.block_table)
                 if c.samples:
                     out[i] = logits[-1].float().cpu()
+            elif n > 1:
+                if sum(chunks[j].end - chunks[j].start for j in small) + n > self.varlen_max_tokens:
+                    self._varlen(chunks, small, out)
+                    small = []
+                small.append(i)
+        if small:
+            self._varlen(chunks, small, out)
         for g in range(0, len(decodes), self.decode_group):
             group = decodes[g:g + self.decode_group]
             logits = self.decode([chunks[i].token_ids[0] for i in group], [chunks[i].start for i in group],
@@ -53,6 +66,33 @@ class BatchRunner:
             for row, i in enumerate(group):
                 out[i] = logits[row].float().cpu()
         return out
+
+    def _varlen(self, chunks: list[ScheduledChunk], which: list[int], out: list) -> None:
+        """Prefill chunks of several sequences in one pass: their rows share every projection (row by
+        row, as each would alone), and attention runs per chunk over its own blocks."""
+        model, kv, dev = self.model, self.model.kv, self.model.device
+        bs = kv.block_size
+        ids = [t for i in which for t in chunks[i].token_ids]
+        pos = torch.tensor([p for i in which for p in range(chunks[i].start, chunks[i].end)], device=dev)
+        slots = torch.cat([slot_tensor(chunks[i].block_table, chunks[i].start, chunks[i].end, bs, dev)
+                           for i in which])
+        tables = [torch.tensor(chunks[i].block_table, dtype=torch.long, device=dev) for i in which]
+        bounds = [0]
+        for i in which:
+            bounds.append(bounds[-1] + chunks[i].end - chunks[i].start)
+        x = model.embedding(torch.tensor(ids, dtype=torch.long, device=dev))
+        cos, sin = model.cos[pos].unsqueeze(1), model.sin[pos].unsqueeze(1)
+        for layer, block in enumerate(model.blocks):
+            q, k, v = block.qkv_rope(x, cos, sin)
+            kv.write(layer, slots, k, v)
+            attn = torch.cat([paged_prefill_attention(q[a:b], kv, layer, table, chunks[i].start, block.scale)
+                              for i, table, a, b in zip(which, tables, bounds, bounds[1:])])
+            x = block.out_mlp(x, attn)
+        last = [b - 1 for i, b in zip(which, bounds[1:]) if chunks[i].samples]
+        if last:
+            logits = model.output(rms_norm(x[last], model.norm, model.cfg.norm_eps)).float().cpu()
+            for row, i in enumerate(i for i in which if chunks[i].samples):
+                out[i] = logits[row]
 
     def decode(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor:
         """One token of each sequence -> logits [M, vocab]."""

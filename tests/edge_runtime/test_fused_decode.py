@@ -40,7 +40,9 @@ def test_backend_uses_fused_step_and_greedy_matches_unfused(model_path):
     assert fused.generate(req).token_ids == plain.generate(req).token_ids
 
 
-@pytest.mark.parametrize("kv_dtype, tol", [("fp32", 1e-3), ("fp16", 5e-3), ("bf16", 3e-2), ("int8", 3e-2)])
+# int8: an fp32 op-order difference that crosses a rounding boundary moves a stored K/V value by one
+# quantization step (1/127 of its row's max), so the logits may differ by ~0.05 of ~20 (measured 0.0496).
+@pytest.mark.parametrize("kv_dtype, tol", [("fp32", 1e-3), ("fp16", 5e-3), ("bf16", 3e-2), ("int8", 8e-2)])
 def test_fused_step_on_scattered_blocks_matches_torch_step(model_path, prose, kv_dtype, tol):
     """One step from the same cache state, a shuffled block table, pools full of NaN beforehand: the C step
     writes K/V rounded as torch does and attends over the right slots only."""
