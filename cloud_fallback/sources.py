@@ -14,7 +14,9 @@ The worker never knows which one it has.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import threading
 from typing import Callable
 
 from edge_runtime.errors import EdgeRuntimeError
@@ -31,15 +33,32 @@ class EngineSource:
     def __init__(self, engine, loop: asyncio.AbstractEventLoop, emit: Emit):
         self.engine, self.loop, self.emit = engine, loop, emit
         self.model_name = engine.model_name
+        self._pending: collections.deque = collections.deque()  # (id, event) from the engine thread, in order
+        self._lock = threading.Lock()
+        self._scheduled = False
+
+    def _deliver(self, id: str, ev: StreamEvent) -> None:  # engine thread
+        # one loop wake-up for all the events of a step, not one per token
+        with self._lock:
+            self._pending.append((id, ev))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:  # loop thread
+        with self._lock:
+            items = list(self._pending)
+            self._pending.clear()
+            self._scheduled = False
+        for id, ev in items:
+            self.emit(id, ev)
 
     def prepare(self, request: GenerationRequest, max_prompt_tokens: int) -> list[int]:
         return self.engine.prepare(request, max_prompt_tokens)  # raises ContextLengthError
 
     def submit(self, id: str, gen: Generate, request: GenerationRequest, prompt_ids) -> None:
-        def sink(ev: StreamEvent) -> None:  # engine thread
-            self.loop.call_soon_threadsafe(self.emit, id, ev)
-
-        self.engine.submit(id, request, sink, gen.priority, prompt_ids)
+        self.engine.submit(id, request, lambda ev: self._deliver(id, ev), gen.priority, prompt_ids)
 
     def cancel(self, id: str) -> None:
         self.engine.cancel(id)

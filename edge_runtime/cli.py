@@ -139,6 +139,9 @@ def cmd_bench(args) -> int:
 
 
 def cmd_worker(args) -> int:
+    # Sleeping rather than spinning between parallel regions: the worker's event-loop thread needs a core
+    # too, and spinning OpenMP threads starve it (libgomp reads this when it loads, i.e. with torch).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from cloud_fallback.worker_main import run_worker  # the CLI wires the cloud side in; nothing else imports it
 
     return run_worker(args)
@@ -186,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     bb.add_argument("--max-batch", type=int, default=8, help="batching: the worker's max batch")
     bb.add_argument("--quant", default="auto", help="batching: the worker's weights (auto = GGUF int4 kernels, "
                     "bf16/fp32 = the same weights dequantized)")
+    bb.add_argument("--schedules", default="continuous,static,sequential", help="batching: which schedules to run")
     bb.add_argument("--skip-sequential", action="store_true", help="batching: skip the one-at-a-time schedule")
     bb.add_argument("--peer", default=None, help="batching: an OpenAI-compatible server at max batch 8 "
                     "(e.g. vLLM, http://127.0.0.1:8001/v1), measured side by side")

@@ -4,67 +4,18 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
-import signal
-import subprocess
-import sys
-import tempfile
-import threading
-import urllib.request
 
 from websockets.asyncio.client import connect
 
+from cloud_fallback import launcher
 from cloud_fallback.protocol import Hello, encode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-class WorkerProcess:
-    def __init__(self, *extra: str, token: str = "test-token-123", start_timeout: float = 180.0):
-        self.token = token
-        fd, self.token_file = tempfile.mkstemp(prefix="worker-token-")
-        with os.fdopen(fd, "w") as f:
-            f.write(token + "\n")
-        cmd = [sys.executable, "-m", "edge_runtime", "worker", "--port", "0", "--token-file", self.token_file,
-               "--threads", "2", *extra]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     start_new_session=True)
-        self.stderr: list[str] = []
-        threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
-        line: list[str] = []
-        reader = threading.Thread(target=lambda: line.append(self.proc.stdout.readline()), daemon=True)
-        reader.start()
-        reader.join(start_timeout)
-        m = re.search(r"listening on (wss?)://([\d.]+):(\d+)", line[0] if line else "")
-        if not m:
-            self.stop()
-            raise RuntimeError(f"worker did not start: {line} {''.join(self.stderr)[-3000:]}")
-        scheme, host, self.port = m.group(1), m.group(2), int(m.group(3))
-        self.url = f"{scheme}://{host}:{self.port}"
-        self.http_url = f"{'https' if scheme == 'wss' else 'http'}://{host}:{self.port}"
-
-    def get(self, path: str, context=None) -> tuple[int, str]:
-        with urllib.request.urlopen(self.http_url + path, timeout=10, context=context) as r:
-            return r.status, r.read().decode()
-
-    def metrics(self) -> dict[str, float]:
-        _, text = self.get("/metrics")
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                out[name] = float(value)
-        return out
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        os.unlink(self.token_file)
+class WorkerProcess(launcher.WorkerProcess):
+    def __init__(self, *extra: str, token: str = "test-token-123"):
+        super().__init__(*extra, token=token, cwd=ROOT)
 
 
 async def open_raw(worker: WorkerProcess, token: str | None = None, **kwargs):

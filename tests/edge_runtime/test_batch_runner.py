@@ -105,3 +105,18 @@ def test_engine_matches_the_single_stream_backend(engine, model_path):
         ref = local.generate(GenerationRequest(prompt=p, params=SamplingParams(max_tokens=24)))
         got = _generate(engine, [p])[0]
         assert got["ids"] == ref.token_ids and got["text"] == ref.text
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_engine_on_cuda_bf16_batches_and_agrees_with_one_at_a_time(model_path):
+    """On a GPU the torch step runs (bf16 weights, batched projections, paged decode attention, SDPA for
+    prompts). cuBLAS picks kernels by batch size, so rows are not bit-identical there: the first tokens
+    must agree and every request must finish."""
+    from edge_runtime.batch_engine import load_engine
+
+    gpu = load_engine(model_path, n_ctx=1024, device="cuda", quant="bf16", kv_dtype="bf16")
+    assert gpu.runner.decode_group > 8 and gpu.model.fused is None
+    alone = [_generate(gpu, [p])[0] for p in PROMPTS]
+    together = _generate(gpu, PROMPTS)
+    for a, b in zip(alone, together):
+        assert b["finish"] == "length" and b["ids"][:4] == a["ids"][:4]
