@@ -50,15 +50,20 @@ class Backend(ABC):
         cancel = threading.Event()
         done = object()
 
+        def put(item) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the loop is gone: nobody is listening any more
+                cancel.set()
+
         def work() -> None:
             try:
                 for ev in self.stream_sync(request, cancel):
-                    loop.call_soon_threadsafe(queue.put_nowait, ev)
+                    put(ev)
             except Exception as e:  # errors travel in the stream
-                loop.call_soon_threadsafe(queue.put_nowait, StreamEvent("error", error=str(e), source="local",
-                                                                       info={"code": getattr(e, "code", "internal")}))
+                put(StreamEvent("error", error=str(e), source="local", info={"code": getattr(e, "code", "internal")}))
             finally:
-                loop.call_soon_threadsafe(queue.put_nowait, done)
+                put(done)
 
         thread = threading.Thread(target=work, daemon=True)
         thread.start()
