@@ -66,9 +66,14 @@ def cmd_generate(args) -> int:
 
     params = sampling_params(args)  # validate before loading anything
     if args.raw:
-        request = GenerationRequest(prompt=args.prompt, params=params)
+        request = GenerationRequest(prompt=args.prompt, params=params, route=args.route)
     else:
-        request = GenerationRequest(messages=[{"role": "user", "content": args.prompt}], params=params)
+        request = GenerationRequest(messages=[{"role": "user", "content": args.prompt}], params=params,
+                                    route=args.route)
+    if args.cloud or args.offline or args.route != "auto":
+        from .cli_hybrid import generate_hybrid
+
+        return generate_hybrid(args, request, make_backend)
     backend = make_backend(args)
     out = sys.stdout
     show = (lambda ev: (out.write(ev.text), out.flush())) if not args.json else None
@@ -156,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(g)
     g.add_argument("--raw", action="store_true", help="send PROMPT as is, without the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.add_argument("--cloud", default=None, help="the cloud worker, ws://host:port or wss://... (hybrid mode)")
+    g.add_argument("--cloud-token-file", default=None, help="file holding the worker's token")
+    g.add_argument("--route", default="auto", choices=["auto", "local", "cloud"], help="where to answer")
+    g.add_argument("--offline", action="store_true", help="never touch the network: answer on the device")
     g.add_argument("prompt")
     g.set_defaults(func=cmd_generate)
 

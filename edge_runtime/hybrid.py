@@ -65,6 +65,12 @@ class HybridRuntime:
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[StreamEvent]:
         decision = self.decide(request)
+        if decision.route == "cloud" and hasattr(self.cloud, "connect"):
+            try:
+                await self.cloud.connect()
+            except Exception as e:  # unreachable at the start: the device answers, and the start event says why
+                why = getattr(e, "message", None) or str(e)
+                decision = RouteDecision("local", f"cloud unreachable ({why}); answering on the device")
         st = _State()
         t0 = time.perf_counter()
         yield StreamEvent("start", source=decision.route, info={"route": decision.route,

@@ -1,0 +1,74 @@
+"""`edge-runtime generate --cloud URL --route R [--offline]`: one answer through the hybrid runtime."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+
+from .errors import EdgeRuntimeError
+from .hybrid import HybridRuntime
+
+
+def _cloud(args):
+    if args.offline or not args.cloud:
+        return None
+    if not args.cloud_token_file:
+        raise EdgeRuntimeError("--cloud needs --cloud-token-file (the worker's token)")
+    try:
+        with open(args.cloud_token_file, encoding="utf-8") as f:
+            token = f.read().strip()
+    except OSError as e:
+        raise EdgeRuntimeError(f"cannot read {args.cloud_token_file}: {e.strerror}") from None
+    from cloud_fallback.cloud_backend import CloudBackend  # the CLI wires the cloud side in
+
+    return CloudBackend(args.cloud, token)
+
+
+def generate_hybrid(args, request, make_backend) -> int:
+    cloud = _cloud(args)
+    runtime = HybridRuntime(make_backend(args), cloud, offline=args.offline, route=args.route)
+    out = sys.stdout
+
+    async def run() -> dict:
+        res = {"text": [], "token_ids": [], "handoffs": []}
+        try:
+            async for ev in runtime.stream(request):
+                if ev.type == "start":
+                    res.update(route=ev.info["route"], route_reason=ev.info["route_reason"])
+                    if not args.json:
+                        print(f"[route {ev.info['route']}: {ev.info['route_reason']}]", file=sys.stderr, flush=True)
+                elif ev.type == "delta":
+                    res["text"].append(ev.text)
+                    res["token_ids"] += ev.token_ids
+                    if not args.json:
+                        out.write(ev.text)
+                        out.flush()
+                elif ev.type == "handoff":
+                    res["handoffs"].append({k: ev.info[k] for k in ("from", "to", "at_char", "reason")})
+                    if not args.json:
+                        print(f"\n[handoff {ev.info['from']} -> {ev.info['to']} at character {ev.info['at_char']}: "
+                              f"{ev.info['reason']}]", file=sys.stderr, flush=True)
+                elif ev.type == "finish":
+                    res.update(finish_reason=ev.finish_reason, usage=ev.usage,
+                               usage_by_source=ev.info["usage_by_source"])
+                else:
+                    raise EdgeRuntimeError(ev.error or "generation failed")
+        finally:
+            if cloud is not None:
+                await cloud.aclose()
+        return res
+
+    res = asyncio.run(run())
+    text = "".join(res["text"])
+    if args.json:
+        print(json.dumps({"text": text, "token_ids": res["token_ids"], "finish_reason": res["finish_reason"],
+                          "backend": "hybrid", "model": os.path.basename(getattr(runtime.local, "path", args.model)),
+                          "route": res["route"], "route_reason": res["route_reason"], "handoffs": res["handoffs"],
+                          "usage_by_source": res["usage_by_source"], "prompt_tokens": res["usage"].prompt_tokens,
+                          "completion_tokens": res["usage"].completion_tokens}, ensure_ascii=False))
+    else:
+        out.write("\n")
+        print(f"[{res['usage'].completion_tokens} tokens, finish={res['finish_reason']}, by source "
+              f"{res['usage_by_source']}]", file=sys.stderr)
+    return 0
