@@ -72,6 +72,8 @@ class Backend(ABC):
                 yield ev
         finally:
             cancel.set()
+            if thread.is_alive():  # let it leave torch before anyone exits the process under it
+                await asyncio.to_thread(thread.join, 30)
 
     def generate(self, request: GenerationRequest, on_delta=None) -> GenerationResult:
         text, ids, finish, usage, info = [], [], "length", Usage(), {}
