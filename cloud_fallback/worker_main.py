@@ -78,12 +78,13 @@ def run_worker(args) -> int:
     engine = None
     if args.upstream is None:
         from edge_runtime.batch_engine import load_engine
+        from edge_runtime.kv_cache_config import KVCacheConfig
         from edge_runtime.scheduler import SchedulerConfig
 
         config = SchedulerConfig(args.max_batch, max(args.max_batched_tokens, args.chunk_size + args.max_batch),
                                  args.chunk_size)
         try:
-            config.validate(args.kv_block_size if hasattr(args, "kv_block_size") else 16)
+            config.validate(KVCacheConfig().block_size)  # the worker uses the default KV block size
         except ValueError as e:
             raise EdgeRuntimeError(str(e)) from None
         engine = load_engine(args.model, n_ctx=args.ctx, threads=args.threads, quant=args.quant, device=args.device,
