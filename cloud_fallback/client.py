@@ -132,13 +132,14 @@ class WorkerClient:
             await self.ws.send(encode(frame))
 
     def stream(self, messages: list | None = None, prompt: str | None = None, prefix: str = "",
-               params: dict | None = None, priority: str = "interactive", id: str | None = None) -> WorkerStream:
+               params: dict | None = None, priority: str = "interactive", id: str | None = None,
+               prefix_token_ids: list[int] | None = None) -> WorkerStream:
         """Start a generation; iterate the result. The generate frame is sent when iteration starts."""
         id = id or uuid.uuid4().hex
         s = WorkerStream(self, id)
         self.streams[id] = s
         frame = Generate(id, messages=messages, prompt=prompt, prefix=prefix, params=dict(params or {}),
-                         priority=priority)
+                         priority=priority, prefix_token_ids=prefix_token_ids)
         asyncio.get_running_loop().create_task(self._send_or_fail(s, frame))
         return s
 

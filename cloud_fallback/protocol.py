@@ -54,6 +54,7 @@ class Hello:  # client -> server, first frame
 class Welcome:  # server -> client, answer to hello
     model: str
     limits: dict = field(default_factory=dict)
+    tokenizer: str = ""  # fingerprint of the vocabulary ("" when unknown): equal means token ids can travel
     protocol: int = PROTOCOL_VERSION
     type: str = "welcome"
 
@@ -66,6 +67,7 @@ class Generate:  # client -> server
     prefix: str = ""
     params: dict = field(default_factory=dict)
     priority: str = "interactive"
+    prefix_token_ids: list | None = None  # the prefix's tokens, when client and worker share a tokenizer
     type: str = "generate"
 
     def to_request(self) -> GenerationRequest:
@@ -73,7 +75,7 @@ class Generate:  # client -> server
         try:
             params = SamplingParams(**self.params)
             return GenerationRequest(messages=self.messages, prompt=self.prompt, prefix=self.prefix, params=params,
-                                     id=self.id)
+                                     id=self.id, prefix_token_ids=self.prefix_token_ids)
         except EdgeRuntimeError as e:
             raise ProtocolError(INVALID_REQUEST, e.message, self.id) from None
 
@@ -196,7 +198,9 @@ def _validate(kind: str, obj: dict, id: str | None) -> None:
         _check(obj, "model", str, None)
         _check(obj, "limits", dict, None, required=False)
         _check(obj, "protocol", int, None, required=False)
+        _check(obj, "tokenizer", str, None, required=False)
     elif kind == "generate":
+        _check(obj, "prefix_token_ids", list, id, required=False, optional_none=True)
         _check(obj, "messages", list, id, required=False, optional_none=True)
         _check(obj, "prompt", str, id, required=False, optional_none=True)
         _check(obj, "prefix", str, id, required=False)

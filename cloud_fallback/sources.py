@@ -33,6 +33,7 @@ class EngineSource:
     def __init__(self, engine, loop: asyncio.AbstractEventLoop, emit: Emit):
         self.engine, self.loop, self.emit = engine, loop, emit
         self.model_name = engine.model_name
+        self.tokenizer_fingerprint = engine.tokenizer.fingerprint
         self._pending: collections.deque = collections.deque()  # (id, event) from the engine thread, in order
         self._lock = threading.Lock()
         self._scheduled = False

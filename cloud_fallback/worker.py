@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
-from edge_runtime.errors import ContextLengthError, EdgeRuntimeError
+from edge_runtime.errors import ContextLengthError, EdgeRuntimeError, InvalidRequestError
 from edge_runtime.request import StreamEvent
 
 from .metrics import render_metrics
@@ -201,7 +201,8 @@ class Worker:
             "max_tokens": lim.max_tokens, "max_prompt_tokens": lim.max_prompt_tokens,
             "max_streams_per_connection": lim.max_streams_per_connection,
             "max_streams_total": lim.max_streams_total, "max_frame_bytes": lim.max_frame_bytes,
-            "resume_grace_s": lim.resume_grace_s, "source": self.source.kind})))
+            "resume_grace_s": lim.resume_grace_s, "source": self.source.kind},
+            tokenizer=getattr(self.source, "tokenizer_fingerprint", ""))))
         return True
 
     def _handle(self, conn: Connection, frame) -> None:
@@ -240,6 +241,8 @@ class Worker:
             prompt_ids = self.source.prepare(request, lim.max_prompt_tokens)
         except ContextLengthError as e:
             raise ProtocolError(CONTEXT_LENGTH, e.message, gen.id) from None
+        except InvalidRequestError as e:  # prefix_token_ids outside the vocabulary
+            raise ProtocolError(INVALID_REQUEST, e.message, gen.id) from None
         if old is not None:  # a finished stream kept for resume: the id is reused
             if old.timer is not None:
                 old.timer.cancel()

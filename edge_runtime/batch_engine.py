@@ -29,7 +29,7 @@ from .block_manager import BlockManager
 from .chat_template import ChatTemplate
 from .detokenizer import IncrementalDetokenizer
 from .errors import ContextLengthError
-from .generator import build_prompt, prompt_ids
+from .generator import request_ids
 from .kv_cache_config import KVCacheConfig, format_bytes
 from .request import GenerationRequest, StreamEvent, Usage
 from .sampler import Sampler
@@ -106,7 +106,7 @@ class BatchEngine:
     # --- called from any thread ------------------------------------------------------------------
     def prepare(self, request: GenerationRequest, max_prompt_tokens: int | None = None) -> list[int]:
         """The prompt's token ids; raises ContextLengthError when it cannot be served."""
-        ids = prompt_ids(self, build_prompt(request, self.template)) or [self.bos_id or 0]
+        ids = request_ids(self, request, self.template, self.tokenizer.vocab_size) or [self.bos_id or 0]
         limit = self.n_ctx if max_prompt_tokens is None else min(self.n_ctx, max_prompt_tokens + 1)
         if len(ids) >= limit:
             why = (f"the worker's limit is {max_prompt_tokens} prompt tokens" if limit <= self.n_ctx - 1

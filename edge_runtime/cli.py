@@ -95,6 +95,10 @@ def cmd_generate(args) -> int:
 def cmd_chat(args) -> int:
     from .chat import ChatSession
 
+    if args.cloud or args.offline or args.route != "auto":
+        from .cli_hybrid import chat_hybrid
+
+        return chat_hybrid(args, sampling_params(args), make_backend)
     return ChatSession(make_backend(args), sampling_params(args)).run(sys.stdin, sys.stdout)
 
 
@@ -125,6 +129,10 @@ def cmd_perplexity(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.name == "report":
+        from .bench_report import run_report
+
+        return run_report(args)
     if args.name == "kv":
         from .bench_kv import run_kv_bench
 
@@ -138,9 +146,25 @@ def cmd_bench(args) -> int:
         from cloud_fallback.bench_batching import run_batching_bench
 
         return run_batching_bench(args)
+    if args.name == "hybrid":
+        from cloud_fallback.bench_hybrid import run_hybrid_bench
+
+        return run_hybrid_bench(args)
     from .bench import run_bench
 
     return run_bench(args)
+
+
+def cmd_serve(args) -> int:
+    from .cli_serve import run_serve
+
+    return run_serve(args, make_backend)
+
+
+def cmd_demo(args) -> int:
+    from cloud_fallback.demo import run_demo
+
+    return run_demo(args)
 
 
 def cmd_worker(args) -> int:
@@ -153,6 +177,9 @@ def cmd_worker(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .cli_hybrid import add_hybrid_args
+    from .cli_router import register as add_calibrate_router
+
     parser = argparse.ArgumentParser(prog="edge-runtime", description="Hybrid local/cloud LLM inference runtime")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -161,16 +188,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(g)
     g.add_argument("--raw", action="store_true", help="send PROMPT as is, without the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    g.add_argument("--cloud", default=None, help="the cloud worker, ws://host:port or wss://... (hybrid mode)")
-    g.add_argument("--cloud-token-file", default=None, help="file holding the worker's token")
-    g.add_argument("--route", default="auto", choices=["auto", "local", "cloud"], help="where to answer")
-    g.add_argument("--offline", action="store_true", help="never touch the network: answer on the device")
+    add_hybrid_args(g)
     g.add_argument("prompt")
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="interactive streaming assistant (/reset, /quit)")
     _add_model_args(c)
     _add_sampling_args(c)
+    add_hybrid_args(c)
     c.set_defaults(func=cmd_chat, max_tokens=512)
 
     p = sub.add_parser("perplexity", help="perplexity of a UTF-8 text file")
@@ -187,8 +212,27 @@ def build_parser() -> argparse.ArgumentParser:
     add_worker_args(w)
     w.set_defaults(func=cmd_worker)
 
+    add_calibrate_router(sub)
+
+    from .cli_serve import add_serve_args
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP API and WebSocket stream over the hybrid runtime")
+    _add_model_args(sv)
+    add_hybrid_args(sv)
+    add_serve_args(sv)
+    sv.set_defaults(func=cmd_serve)
+
+    from cloud_fallback.demo import add_demo_args
+
+    d = sub.add_parser("demo", help="the hybrid runtime end to end: a loopback worker, an easy prompt answered "
+                                    "on the device, a hard one handed to the cloud")
+    add_demo_args(d)
+    d.set_defaults(func=cmd_demo)
+
     b = sub.add_parser("bench", help="benchmarks (each against its anchor, in one run)")
-    b.add_argument("name", choices=["decode", "kv", "attention", "batching"])
+    b.add_argument("name", choices=["decode", "kv", "attention", "batching", "hybrid", "report"])
+    b.add_argument("--dir", default="bench-results", help="report: directory of benchmark JSON files")
+    b.add_argument("--out", default=None, help="report: output directory (default DIR/report)")
     b.add_argument("--model", default="default")
     b.add_argument("--threads", type=int, default=None)
     b.add_argument("--repeats", type=int, default=3)
@@ -205,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     bb.add_argument("--peer-default", default=None, help="batching: the same server at its default batch; "
                     "compared with our worker at --default-batch")
     bb.add_argument("--default-batch", type=int, default=256, help="batching: our max batch against --peer-default")
+    bh = b.add_argument_group("hybrid")
+    bh.add_argument("--prompts", type=int, default=12, help="hybrid: prompts of the labelled set for TTFT and hand-offs")
+    bh.add_argument("--failovers", type=int, default=5, help="hybrid: worker kills for the failover gap")
     b.set_defaults(func=cmd_bench)
     return parser
 

@@ -1,4 +1,4 @@
-"""`edge-runtime generate --cloud URL --route R [--offline]`: one answer through the hybrid runtime."""
+"""`edge-runtime generate|chat --cloud URL --route R [--offline]`: answers through the hybrid runtime."""
 from __future__ import annotations
 
 import asyncio
@@ -25,9 +25,33 @@ def _cloud(args):
     return CloudBackend(args.cloud, token)
 
 
+def add_hybrid_args(p) -> None:
+    p.add_argument("--cloud", default=None, help="the cloud worker, ws://host:port or wss://... (hybrid mode)")
+    p.add_argument("--cloud-token-file", default=None, help="file holding the worker's token")
+    p.add_argument("--route", default="auto", choices=["auto", "local", "cloud"], help="where to answer")
+    p.add_argument("--offline", action="store_true", help="never touch the network: answer on the device")
+
+
+def make_runtime(args, make_backend) -> HybridRuntime:
+    return HybridRuntime(make_backend(args), _cloud(args), offline=args.offline, route=args.route)
+
+
+def chat_hybrid(args, params, make_backend) -> int:
+    from .chat import ChatSession
+
+    runtime = make_runtime(args, make_backend)
+    session = ChatSession(runtime.local, params, runtime=runtime)
+    try:
+        return session.run(sys.stdin, sys.stdout)
+    finally:
+        if runtime.cloud is not None:
+            session.loop.run_until_complete(runtime.cloud.aclose())
+        session.loop.close()
+
+
 def generate_hybrid(args, request, make_backend) -> int:
-    cloud = _cloud(args)
-    runtime = HybridRuntime(make_backend(args), cloud, offline=args.offline, route=args.route)
+    runtime = make_runtime(args, make_backend)
+    cloud = runtime.cloud
     out = sys.stdout
 
     async def run() -> dict:

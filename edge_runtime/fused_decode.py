@@ -113,6 +113,7 @@ class FusedDecoder:
         x = m.embedding(torch.tensor([token_id])).reshape(cfg.dim).contiguous()  # [dim], updated in place
         self._whole_step(x, pos, block_table)
         self.lib.add_rmsnorm(x.data_ptr(), None, m.norm.data_ptr(), cfg.dim, self.eps, self.logits_norm.data_ptr())
+        m.last_hidden = self.logits_norm[0]  # NOTE: a view of a reused buffer; copy it to keep it
         return m.output(self.logits_norm).float()
 
 

@@ -8,6 +8,7 @@ logits are computed.
 """
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from typing import Iterator, Protocol
@@ -16,7 +17,7 @@ import torch
 
 from .chat_template import ChatTemplate
 from .detokenizer import IncrementalDetokenizer
-from .errors import ContextLengthError
+from .errors import ContextLengthError, InvalidRequestError
 from .request import GenerationRequest, StreamEvent, Usage
 from .sampler import Sampler
 from .stop_matcher import StopMatcher
@@ -49,11 +50,36 @@ def prompt_ids(runner: Runner, text: str) -> list[int]:
     return ids
 
 
+def request_ids(runner: Runner, request: GenerationRequest, template: ChatTemplate, vocab_size: int) -> list[int]:
+    """The token ids the model continues: the rendered prompt, then the assistant prefix.
+
+    With `prefix_token_ids` the prefix is those tokens (a hand-off from a model
+    with the same tokenizer continues token for token); otherwise its text is
+    tokenized together with the prompt.
+    """
+    if request.prefix_token_ids is None:
+        return prompt_ids(runner, build_prompt(request, template))
+    bad = [t for t in request.prefix_token_ids if t >= vocab_size]
+    if bad:
+        raise InvalidRequestError(f"prefix_token_ids holds {bad[0]}, outside the vocabulary of {vocab_size} tokens")
+    plain = copy.copy(request)
+    plain.prefix = ""
+    return prompt_ids(runner, build_prompt(plain, template)) + list(request.prefix_token_ids)
+
+
+def confidence(logits: torch.Tensor) -> dict:
+    """The model's own uncertainty at one position: entropy (nats) and top-1 minus top-2 probability."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    p = logp.exp()
+    top = torch.topk(p, 2).values
+    return {"entropy": float(-(p * logp).sum()), "margin": float(top[0] - top[1])}
+
+
 def generate_stream(runner: Runner, template: ChatTemplate, request: GenerationRequest, backend: str,
                     cancel: threading.Event | None = None) -> Iterator[StreamEvent]:
     """Yield start, delta..., finish for one request. Raises EdgeRuntimeError before 'start' on bad input."""
     params = request.params
-    ids = prompt_ids(runner, build_prompt(request, template))
+    ids = request_ids(runner, request, template, getattr(runner, "vocab_size", 1 << 62))
     if not ids:
         ids = [runner.bos_id if runner.bos_id is not None else 0]
     if len(ids) >= runner.n_ctx:
@@ -68,6 +94,8 @@ def generate_stream(runner: Runner, template: ChatTemplate, request: GenerationR
     t_start = time.perf_counter()
     yield StreamEvent("start", info={"backend": backend, "prompt_tokens": len(ids)})
     logits = runner.prefill(ids)
+    # the prompt's representation, for the difficulty probe: only runners that keep it (native) have it
+    hidden = getattr(runner, "last_hidden", None) if request.confidence else None
     t_first = None
     history = list(ids)
     generated: list[int] = []
@@ -77,6 +105,7 @@ def generate_stream(runner: Runner, template: ChatTemplate, request: GenerationR
         if cancel is not None and cancel.is_set():
             finish = "cancelled"
             break
+        conf = confidence(logits) if request.confidence else None
         token = sampler.sample(logits, history)
         if t_first is None:
             t_first = time.perf_counter()
@@ -87,7 +116,9 @@ def generate_stream(runner: Runner, template: ChatTemplate, request: GenerationR
         history.append(token)
         text, hit = stops.push(detok.push(token))
         if text or not hit:
-            yield StreamEvent("delta", seq=seq, text=text, token_ids=[token])
+            if hidden is not None:  # the first delta's info carries it
+                conf["hidden"], hidden = hidden, None
+            yield StreamEvent("delta", seq=seq, text=text, token_ids=[token], info=conf or {})
             seq += 1
         if hit:
             finish, stop_hit = "stop", True

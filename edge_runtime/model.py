@@ -126,6 +126,7 @@ class Transformer(nn.Module):
         self.identity_table: list[int] = []  # the block table used when the caller passes none
         self.block_step = None  # set by enable_compile(): the compiled decode step of one block
         self.fused = None  # set by enable_fused(): FusedDecoder for one-token steps
+        self.last_hidden: torch.Tensor | None = None  # [dim] fp32: the final-normed state at the last position
 
     @property
     def device(self) -> torch.device:
@@ -178,7 +179,9 @@ class Transformer(nn.Module):
                 x = block(x, cos, sin, self.kv, layer, meta)
         if not all_logits:
             x = x[-1:]
-        return self.output(rms_norm(x, self.norm, self.cfg.norm_eps)).float()
+        h = rms_norm(x, self.norm, self.cfg.norm_eps)  # [T or 1, dim]: what the output head reads
+        self.last_hidden = h[-1]  # NOTE: a reference, no copy; overwritten by the next forward
+        return self.output(h).float()
 
 
 def _decode_block_gathered(block: Block, x, cos, sin, pools: tuple, slots, read_slots):

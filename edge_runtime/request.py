@@ -77,7 +77,11 @@ class SamplingParams:
 class GenerationRequest:
     """One generation: chat `messages` (rendered with the model's template) or a raw `prompt`.
 
-    `prefix` is assistant text already emitted that the answer continues from.
+    `prefix` is assistant text already emitted that the answer continues from;
+    `prefix_token_ids`, when given, are its tokens (same tokenizer), used as they
+    are instead of re-tokenizing the text (a hand-off then continues exactly).
+    `confidence` asks local backends for the model's entropy and top-1 margin
+    at each generated token (delta `info`), which the hybrid router reads.
     """
 
     messages: list[dict] | None = None
@@ -87,6 +91,8 @@ class GenerationRequest:
     route: Literal["auto", "local", "cloud"] = "auto"
     local_only: bool = False
     id: str = ""
+    prefix_token_ids: list[int] | None = None
+    confidence: bool = False
 
     def __post_init__(self) -> None:
         if (self.messages is None) == (self.prompt is None):
@@ -99,6 +105,10 @@ class GenerationRequest:
                     raise InvalidRequestError(f"messages[{i}] must have string 'role' and 'content'")
         elif not isinstance(self.prompt, str):
             raise InvalidRequestError("'prompt' must be a string")
+        if self.prefix_token_ids is not None and not (
+                isinstance(self.prefix_token_ids, list)
+                and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.prefix_token_ids)):
+            raise InvalidRequestError("'prefix_token_ids' must be a list of token ids (integers >= 0)")
         if self.route not in ("auto", "local", "cloud"):
             raise InvalidRequestError(f"invalid route={self.route!r}: must be auto, local or cloud")
 

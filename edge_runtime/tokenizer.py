@@ -348,6 +348,11 @@ class Tokenizer:
         return len(self._tokens)
 
     @property
+    def fingerprint(self) -> str:
+        """Equal for two tokenizers whose ids name the same tokens: token ids can pass between them."""
+        return vocab_fingerprint(self._tokens)
+
+    @property
     def bos_id(self) -> int | None:
         return self._bos_id
 
@@ -373,3 +378,12 @@ class Tokenizer:
     def is_special(self, tid: int) -> bool:
         """True for CONTROL/UNKNOWN tokens (the ones `skip_special` drops)."""
         return self._hidden[tid]
+
+
+def vocab_fingerprint(tokens) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for t in tokens:
+        h.update(t.encode("utf-8", "surrogatepass") + b"\x00")
+    return h.hexdigest()[:16]

@@ -15,6 +15,7 @@ import torch
 
 from ..chat_template import ChatTemplate
 from ..errors import BackendUnavailableError, ModelFileError
+from ..tokenizer import vocab_fingerprint
 from ..gguf_file import GGUFFile
 from .base import Backend
 
@@ -35,7 +36,7 @@ class LlamaCppRunner:
         except ValueError as e:
             raise ModelFileError(f"llama.cpp could not load {path}: {e}") from None
         self.n_ctx = self.llm.n_ctx()
-        self.n_vocab = self.llm.n_vocab()
+        self.n_vocab = self.vocab_size = self.llm.n_vocab()
         vocab = self.llm._model.vocab
         self.eog_ids = {i for i in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, i)}
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(vocab))
@@ -89,6 +90,7 @@ class LlamaCppBackend(Backend):
         self.threads = threads
         self.runner = LlamaCppRunner(self.path, n_ctx, threads, flash_attn=flash_attn)
         self.template = ChatTemplate.from_metadata(gf.metadata)
+        self.tokenizer_fingerprint = vocab_fingerprint(gf.metadata.get("tokenizer.ggml.tokens") or [])
         self._scorer: LlamaCppRunner | None = None
 
     def logits(self, token_ids: list[int]) -> torch.Tensor:

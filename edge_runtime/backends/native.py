@@ -34,6 +34,7 @@ class NativeRunner:
         self.eog_ids = set(tokenizer.eog_ids)
         self.add_bos = bool(tokenizer.add_bos_token)
         self.bos_id = tokenizer.bos_id
+        self.vocab_size = tokenizer.vocab_size
         self.kv_config = kv = kv_config or KVCacheConfig()
         budget = kv.budget_bytes(model.cfg, n_ctx, model.device)  # read once: available memory moves
         num_blocks = PagedKVCache.blocks_for_budget(budget, model.cfg.num_layers, kv.block_size,
@@ -50,6 +51,7 @@ class NativeRunner:
         self._seq_ids = itertools.count()
         self.seq: int | None = None  # the live sequence
         self.cached_ids: list[int] = []  # its tokens whose K/V are in the cache, in order
+        self.last_hidden: torch.Tensor | None = None  # set by prefill()
 
     def tokenize(self, text: str, special: bool = True) -> list[int]:
         return self.tokenizer.encode(text, special=special)
@@ -92,8 +94,12 @@ class NativeRunner:
         return torch.cat(outs) if all_logits else outs[-1][-1]
 
     def prefill(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits fp32 [vocab] after the last id; `last_hidden` then holds the final-normed hidden state
+        fp32 [dim] at that position (what the output head read: no extra forward pass)."""
         cached = self._start(token_ids)
-        return self._run(token_ids[cached:], cached).float().cpu()
+        logits = self._run(token_ids[cached:], cached).float().cpu()
+        self.last_hidden = self.model.last_hidden.float().cpu().clone()  # [dim]; the model reuses its buffer
+        return logits
 
     def step(self, token_id: int) -> torch.Tensor:
         if not self.blocks.append(self.seq, [token_id]):
@@ -147,6 +153,7 @@ class NativeBackend(Backend):
 
             self.fused = self.model.enable_fused(cpu_gemv.library())
         self.tokenizer = tokenizer
+        self.tokenizer_fingerprint = tokenizer.fingerprint
         if compile == "auto":
             # Measured here: with our AVX2 GGUF kernels the eager decode step is faster than the
             # compiled one (50 vs 38 tok/s), and for torch's int4 kernels compiling gains ~15 % but

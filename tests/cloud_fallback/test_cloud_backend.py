@@ -99,3 +99,46 @@ def test_leaving_early_cancels_on_the_worker(worker):
     while not idle() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert idle()
+
+
+def test_heartbeats_and_the_circuit_breaker_follow_a_real_worker(native_backend):
+    """Heartbeats answer while the worker lives; once it is gone, failed connects open the circuit and the
+    hybrid router sends a cloud-hinted request to the device, naming the breaker; after the cooldown one
+    trial goes through to the restarted worker and closes it."""
+    from cloud_fallback.health import CircuitBreaker
+    from edge_runtime.hybrid import HybridRuntime
+    from edge_runtime.router import Router
+
+    now = [0.0]
+    w = WorkerProcess()
+
+    async def phase1(cloud):
+        await cloud.connect()
+        rtts = [await cloud.heartbeat() for _ in range(3)]
+        w.kill()
+        w.proc.wait()
+        lost = await cloud.heartbeat()
+        for _ in range(3):
+            with pytest.raises(Exception):
+                await cloud.connect()
+        return rtts, lost
+
+    cloud = CloudBackend(w.url, w.token, health=CircuitBreaker(failures_to_open=3, cooldown_s=5, clock=lambda: now[0]))
+    try:
+        rtts, lost = asyncio.run(phase1(cloud))
+    finally:
+        w.stop()
+    assert all(r is not None and r > 0 for r in rtts) and cloud.health.rtt_ms == rtts[-1]
+    assert lost is None and cloud.health.state == "open"
+    runtime = HybridRuntime(native_backend, cloud, router=Router(cloud, device_probe=None))
+    d = runtime.decide(ask("hi", route="cloud"))
+    assert (d.route, d.rule) == ("local", "health") and "circuit open" in d.reason
+    now[0] = 6.0
+    assert runtime.decide(ask("hi", route="cloud")).route == "cloud"  # half-open: one trial
+    w2 = WorkerProcess(token=w.token)
+    try:
+        cloud2 = CloudBackend(w2.url, w2.token, health=cloud.health)
+        events = asyncio.run(drain(cloud2, ask("Say yes.", 4)))
+    finally:
+        w2.stop()
+    assert events[-1].type == "finish" and cloud.health.state == "closed" and cloud.health.failures == 0

@@ -55,3 +55,41 @@ def test_unreachable_cloud_at_the_start_answers_locally_and_says_why(tmp_path):
 def test_cloud_without_a_token_file_is_a_clear_error():
     p = run("generate", "--cloud", "ws://127.0.0.1:1", "--route", "cloud", PROMPT)
     assert p.returncode == 2 and "--cloud-token-file" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_chat_on_the_hybrid_runtime_marks_sources_and_ctrl_c_stops_only_the_cloud_answer(worker):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.edge_runtime.test_cli import ROOT
+
+    proc = subprocess.Popen([sys.executable, "-m", "edge_runtime", "chat", "--max-tokens", "400", "--cloud", worker.url,
+                             "--cloud-token-file", worker.token_path, "--route", "cloud"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            bufsize=1)
+    try:
+        proc.stdin.write("Write a very long story about a dragon.\n")
+        proc.stdin.flush()
+        got = ""
+        deadline = time.time() + 240
+        while len(got) < 60 and time.time() < deadline:  # the cloud answer is streaming
+            got += os.read(proc.stdout.fileno(), 64).decode(errors="replace")
+        proc.send_signal(signal.SIGINT)
+        proc.stdin.write("/reset\nWhat is the capital of France?\n/quit\n")
+        proc.stdin.flush()
+        out, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    out = got + out
+    assert proc.returncode == 0, err
+    assert out.startswith("[cloud] ") and "[stopped]" in out and "[history cleared]" in out
+    second = out.split("[history cleared]")[1]
+    assert "[cloud]" in second and "Paris" in second
+    assert "route cloud: route hint: cloud" in err
+    deadline = time.time() + 10  # the stopped stream was cancelled on the worker: its KV blocks are free again
+    while worker.metrics().get("edge_worker_kv_blocks_used", 0) and time.time() < deadline:
+        time.sleep(0.2)
+    assert worker.metrics().get("edge_worker_kv_blocks_used", 0) == 0
