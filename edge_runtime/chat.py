@@ -1,11 +1,13 @@
 """Interactive streaming chat on one backend or on the hybrid runtime, keeping the conversation.
 
-Commands: /reset clears the history, /quit (or end of input) leaves. Ctrl-C
-while an answer streams stops that answer only; the partial answer stays in
-the history as the user saw it. It knows nothing about how tokens are made.
-On the hybrid runtime each answer starts with its source (`[local]` or
-`[cloud]`) and a hand-off shows inline as `[-> cloud]`; the reasons go to
-stderr.
+Commands: /reset clears the history, /quit (or end of input) leaves,
+/route local|cloud|auto picks where answers go (on the hybrid runtime),
+/status shows the connectivity. Ctrl-C while an answer streams stops that
+answer only; the partial answer stays in the history as the user saw it. It
+knows nothing about how tokens are made. On the hybrid runtime each answer
+starts with its source (`[local]` or `[cloud]`), a hand-off shows inline as
+`[-> cloud]` (the reasons go to stderr), and the prompt carries the
+connectivity: `(offline)`, `(device only)`, `(cloud down)` or `(cloud)`.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ class ChatSession:
         self.params = params
         self.system = system
         self.runtime = runtime  # a HybridRuntime: answers go through it (routing, hand-offs, failover)
+        self.route = "auto"
         self.loop = asyncio.new_event_loop() if runtime is not None else None
         self.messages: list[dict] = []
         self.reset()
@@ -61,7 +64,7 @@ class ChatSession:
 
     def answer(self, user_text: str, out) -> str:
         self.messages.append({"role": "user", "content": user_text})
-        request = GenerationRequest(messages=list(self.messages), params=self.params)
+        request = GenerationRequest(messages=list(self.messages), params=self.params, route=self.route)
         parts: list[str] = []
         interrupted = False
         try:
@@ -83,15 +86,50 @@ class ChatSession:
         self.messages.append({"role": "assistant", "content": text})
         return text
 
+    def connectivity(self) -> str:
+        """The offline indicator: where answers can go right now."""
+        rt = self.runtime
+        if rt is None:
+            return self.backend.name
+        if rt.offline:
+            return "offline"
+        if rt.cloud is None:
+            return "device only"
+        health = getattr(rt.cloud, "health", None)
+        return "cloud down" if health is not None and not health.allow() else "cloud"
+
+    def command(self, line: str, out) -> bool:
+        """Handle a /command; False for /quit."""
+        word, _, arg = line.partition(" ")
+        arg = arg.strip()
+        if word == "/quit":
+            return False
+        if word == "/reset":
+            self.reset()
+            out.write("[history cleared]\n")
+        elif word == "/route" and self.runtime is not None:
+            if arg in ("local", "cloud", "auto"):
+                self.route = arg
+                note = " (offline: answers stay on the device)" if self.runtime.offline else ""
+                out.write(f"[route {arg}{note}]\n")
+            else:
+                out.write(f"[route {self.route}; use /route local|cloud|auto]\n")
+        elif word == "/status":
+            out.write(f"[{self.connectivity()}; route {self.route}; {len(self.messages)} messages]\n")
+        else:
+            out.write(f"[unknown command {word}; /reset, /route local|cloud|auto, /status, /quit]\n")
+        return True
+
     def run(self, stdin=sys.stdin, out=sys.stdout) -> int:
         interactive = stdin.isatty()
         if interactive:
             name = "hybrid" if self.runtime is not None else self.backend.name
-            out.write(f"edge-runtime chat ({name}). /reset clears history, /quit leaves, "
+            routing = ", /route local|cloud|auto" if self.runtime is not None else ""
+            out.write(f"edge-runtime chat ({name}). /reset clears history{routing}, /status, /quit leaves, "
                       "Ctrl-C stops an answer.\n")
         while True:
             if interactive:
-                out.write("> ")
+                out.write(f"({self.connectivity()}) > " if self.runtime is not None else "> ")
                 out.flush()
             try:
                 line = stdin.readline()
@@ -103,10 +141,8 @@ class ChatSession:
             line = line.strip()
             if not line:
                 continue
-            if line == "/quit":
-                return 0
-            if line == "/reset":
-                self.reset()
-                out.write("[history cleared]\n")
+            if line.startswith("/"):
+                if not self.command(line, out):
+                    return 0
                 continue
             self.answer(line, out)

@@ -93,13 +93,9 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    from .chat import ChatSession
+    from .cli_hybrid import chat_hybrid
 
-    if args.cloud or args.offline or args.route != "auto":
-        from .cli_hybrid import chat_hybrid
-
-        return chat_hybrid(args, sampling_params(args), make_backend)
-    return ChatSession(make_backend(args), sampling_params(args)).run(sys.stdin, sys.stdout)
+    return chat_hybrid(args, sampling_params(args), make_backend)  # the device alone when no --cloud
 
 
 def cmd_perplexity(args) -> int:

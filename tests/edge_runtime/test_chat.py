@@ -39,3 +39,37 @@ def test_too_long_message_reports_error_and_keeps_going(model_path):
     text = out.getvalue()
     assert "[error: prompt is" in text and "context window is 48" in text
     assert [m["role"] for m in session.messages] == ["user", "assistant"]  # the failed turn was dropped
+
+
+def test_hybrid_chat_routes_marks_sources_and_shows_connectivity(native_backend):
+    from types import SimpleNamespace
+
+    from cloud_fallback.health import CircuitBreaker
+    from edge_runtime.hybrid import HybridRuntime
+
+    class Recorder(HybridRuntime):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.routes = []
+
+        def stream(self, request):
+            self.routes.append(request.route)
+            return super().stream(request)
+
+    offline = Recorder(native_backend, None, offline=True)
+    session = ChatSession(native_backend, SamplingParams(max_tokens=4), runtime=offline)
+    out = io.StringIO()
+    session.run(io.StringIO("/route cloud\nHello\n/route sideways\n/status\n/route auto\nHi\n/bogus\n/quit\n"), out)
+    text = out.getvalue()
+    assert offline.routes == ["cloud", "auto"]
+    assert "[route cloud (offline: answers stay on the device)]" in text and "[route cloud; use /route" in text
+    assert "[offline; route cloud; 2 messages]" in text and "[unknown command /bogus" in text
+    assert text.count("[local] ") == 2 and "[cloud]" not in text  # offline: a cloud hint still answers locally
+    assert session.connectivity() == "offline"
+    assert ChatSession(native_backend, SamplingParams(), runtime=HybridRuntime(native_backend)).connectivity() \
+        == "device only"
+    health = CircuitBreaker(failures_to_open=1)
+    cloudy = HybridRuntime(native_backend, SimpleNamespace(health=health))
+    assert ChatSession(native_backend, SamplingParams(), runtime=cloudy).connectivity() == "cloud"
+    health.record_failure("unreachable")
+    assert ChatSession(native_backend, SamplingParams(), runtime=cloudy).connectivity() == "cloud down"
