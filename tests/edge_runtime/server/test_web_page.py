@@ -1,0 +1,291 @@
+"""The chat page at / in a real headless Chromium, against real `edge-runtime serve` processes.
+
+Chromium (Debian's `chromium`; $CHROMIUM names another binary) is driven over the Chrome DevTools Protocol
+with the `websockets` package: the test types a question, clicks Send and polls the DOM. The page sends
+`params: {max_tokens, temperature}` from its settings row and its temperature defaults to 0, so its answer
+is the greedy one: it must equal the gateway's own /v1/chat/completions answer at temperature 0.
+
+Checked: text arrives progressively, in spans with data-source="local", equal to the API's answer, with
+the route and its reason shown; the API key goes in `hello` (a wrong one is reported); Stop cancels; a
+dropped page connection is reopened and resumed with nothing lost or repeated; with a cloud worker and
+route=cloud the spans say cloud; and SIGKILLing the worker mid-answer shows a .handoff marker
+(cloud -> local) followed by local spans, the whole still the greedy answer.
+The module skips when no chromium binary is found.
+"""
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+
+import httpx
+import pytest
+from websockets.sync.client import connect
+
+from cloud_fallback.launcher import WorkerProcess
+from tests.edge_runtime.server.test_openai_api import KEY, Gateway
+
+STORY = "Write a very long story about a dragon who learns to paint."
+
+
+def find_chromium() -> str | None:
+    for name in (os.environ.get("CHROMIUM"), "chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
+        path = name and shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+class Browser:
+    """Headless Chromium with one page, attached over a flat CDP session."""
+
+    def __init__(self, binary: str, profile: str):
+        self.proc = subprocess.Popen(
+            [binary, "--headless=new", "--remote-debugging-port=0", f"--user-data-dir={profile}", "--no-sandbox",
+             "--disable-gpu", "--no-first-run", "--no-default-browser-check", "--disable-extensions",
+             "--disable-background-networking", "--disable-dev-shm-usage", "--no-proxy-server", "about:blank"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        self.stderr: list[str] = []
+        found = threading.Event()
+
+        def read():
+            for line in self.proc.stderr:
+                self.stderr.append(line)
+                if "DevTools listening on ws://" in line:
+                    found.set()
+        threading.Thread(target=read, daemon=True).start()
+        if not found.wait(60):
+            self.close()
+            raise RuntimeError("chromium did not start: " + "".join(self.stderr)[-2000:])
+        url = re.search(r"DevTools listening on (ws://\S+)", "".join(self.stderr))[1]
+        # NOTE: entered as a context manager (closed in close()): websockets >= 17 warns otherwise
+        self.ws = connect(url, max_size=None, proxy=None, open_timeout=30).__enter__()
+        self.last_id, self.session = 0, None
+        target = self.call("Target.createTarget", url="about:blank")["targetId"]
+        self.session = self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+
+    def call(self, method: str, timeout: float = 30, **params):
+        self.last_id += 1
+        msg = {"id": self.last_id, "method": method, "params": params}
+        if self.session:
+            msg["sessionId"] = self.session
+        self.ws.send(json.dumps(msg))
+        deadline = time.monotonic() + timeout
+        while True:  # events (none enabled but target ones) are skipped
+            reply = json.loads(self.ws.recv(timeout=max(0.1, deadline - time.monotonic())))
+            if reply.get("id") == self.last_id:
+                if "error" in reply:
+                    raise RuntimeError(f"{method}: {reply['error']}")
+                return reply["result"]
+
+    def js(self, expression: str):
+        r = self.call("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)
+        if "exceptionDetails" in r:
+            raise RuntimeError(f"{expression[:80]!r}: {r['exceptionDetails']}")
+        return r["result"].get("value")
+
+    def close(self):
+        if getattr(self, "ws", None) is not None:
+            self.ws.close()
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def wait_for(check, timeout=60.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    binary = find_chromium()
+    if binary is None:
+        pytest.skip("no chromium binary (apt-get install chromium, or set $CHROMIUM)")
+    b = Browser(binary, str(tmp_path_factory.mktemp("chromium-profile")))
+    yield b
+    b.close()
+
+
+@pytest.fixture(scope="module")
+def gw():
+    g = Gateway()
+    yield g
+    g.stop()
+
+
+@pytest.fixture(scope="module")
+def cloud(tmp_path_factory):
+    """A worker and a gateway that uses it. The hand-off test kills the worker: it runs last."""
+    w = WorkerProcess()
+    token = tmp_path_factory.mktemp("tok") / "token"
+    token.write_text(w.token)
+    try:
+        g = Gateway("--cloud", w.url, "--cloud-token-file", str(token))
+    except BaseException:
+        w.stop()
+        raise
+    yield w, g
+    g.stop()
+    w.stop()
+
+
+def api_answer(g, messages, max_tokens, route="auto") -> dict:
+    r = httpx.post(g.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=300,
+                   json={"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                         "route": route})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def open_page(b: Browser, g) -> None:
+    b.call("Page.navigate", url=g.url + "/")
+    url = json.dumps(g.url + "/")
+    wait_for(lambda: b.js(f"location.href === {url} && document.readyState === 'complete' && "
+                          f"!!document.getElementById('send')"), 30, "the page")
+
+
+def ask(b: Browser, question: str, max_tokens: int, route: str = "auto", key: str = KEY) -> None:
+    b.js(f"""(() => {{
+        document.getElementById('route').value = {json.dumps(route)};
+        document.getElementById('max-tokens').value = '{max_tokens}';
+        document.getElementById('api-key').value = {json.dumps(key)};
+        document.getElementById('prompt').focus(); }})()""")
+    b.call("Input.insertText", text=question)  # typed, as a keyboard would
+    b.js("document.getElementById('send').click()")
+
+
+SNAPSHOT = """(() => {
+    const m = [...document.querySelectorAll('.msg.assistant')].pop();
+    if (!m) return null;
+    const parts = [...m.querySelector('.answer').children].map((e) => e.classList.contains('handoff')
+        ? {handoff: e.textContent, from: e.dataset.from, to: e.dataset.to}
+        : {source: e.dataset.source, text: e.textContent});
+    return {state: m.dataset.state, route: m.querySelector('.route').textContent, parts,
+            end: m.querySelector('.end').textContent, status: document.getElementById('status').textContent};
+})()"""
+
+
+def answer(b: Browser, during=None, timeout=240.0):
+    """Poll the last answer until it ends: (final snapshot, texts seen while streaming).
+    `during(snapshot)` runs at each poll while it streams (to stop, drop or kill something mid-answer)."""
+    seen, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        snap = b.js(SNAPSHOT)
+        if snap is not None:
+            snap["text"] = "".join(p.get("text", "") for p in snap["parts"])
+            if snap["state"] != "streaming":
+                return snap, seen
+            if snap["text"] and (not seen or seen[-1] != snap["text"]):
+                seen.append(snap["text"])
+            if during is not None:
+                during(snap)
+        time.sleep(0.02)
+    raise AssertionError(f"the answer did not end: {b.js(SNAPSHOT)}")
+
+
+def test_the_answer_streams_in_local_spans_and_equals_the_greedy_api_answer(browser, gw):
+    question = "Explain how a rainbow forms."
+    expected = api_answer(gw, [{"role": "user", "content": question}], 40)
+    open_page(browser, gw)
+    assert browser.js("document.getElementById('temperature').value") == "0"  # greedy by default
+    ask(browser, question, 40)
+    final, seen = answer(browser)
+    assert final["state"] == "done", final
+    assert final["text"] == expected["choices"][0]["message"]["content"]
+    assert len(seen) >= 3 and len(seen[0]) < len(final["text"]), seen  # the text grew over several polls ...
+    assert all(b.startswith(a) and b != a for a, b in zip(seen, seen[1:])) and final["text"].startswith(seen[-1])
+    assert {p.get("source") for p in final["parts"]} == {"local"}
+    assert final["route"].startswith("route: local (") and expected["x_hybrid"]["route_reason"] in final["route"]
+    assert f"{expected['usage']['completion_tokens']} tokens" in final["end"]
+    assert browser.js("document.querySelectorAll('.msg.user .answer')[0].textContent") == question
+
+
+def test_the_conversation_is_kept_and_stop_cancels(browser, gw):
+    open_page(browser, gw)
+    ask(browser, "What is the capital of France?", 12)
+    first, _ = answer(browser)
+    ask(browser, STORY, 400)
+    stopped = []
+
+    def stop(snap):
+        if not stopped and len(snap["text"]) > 20:
+            stopped.append(browser.js("document.getElementById('stop').click()"))
+    final, _ = answer(browser, during=stop)
+    assert first["state"] == "done" and "Paris" in first["text"] and stopped
+    assert final["state"] == "cancelled" and "cancelled" in final["end"] and final["text"]
+    conversation = browser.js("JSON.stringify(conversation)")
+    assert [m["role"] for m in json.loads(conversation)] == ["user", "assistant", "user", "assistant"]
+    assert browser.js("document.getElementById('send').disabled") is False
+
+
+def test_a_dropped_connection_is_resumed_with_nothing_lost_or_repeated(browser, gw):
+    question = "Describe, step by step, how to bake bread at home."
+    expected = api_answer(gw, [{"role": "user", "content": question}], 80)["choices"][0]["message"]["content"]
+    open_page(browser, gw)
+    ask(browser, question, 80)
+    dropped = []
+
+    def drop(snap):
+        if not dropped and len(snap["text"]) > 20:
+            dropped.append(snap["text"])
+            browser.js("window.oldSocket = ws; ws.close()")  # the page sees its connection go
+    final, _ = answer(browser, during=drop)
+    assert dropped and len(dropped[0]) < len(final["text"])
+    assert final["state"] == "done" and final["text"] == expected
+    assert browser.js("ws !== null && ws !== window.oldSocket && ws.readyState === WebSocket.OPEN")
+
+
+def test_a_wrong_api_key_is_reported(browser, gw):
+    open_page(browser, gw)
+    ask(browser, "Hello?", 4, key="wrong")
+    final, _ = answer(browser, timeout=30)
+    assert final["state"] == "error" and "unauthorized" in final["status"] and not final["text"]
+
+
+def test_route_cloud_shows_cloud_spans(browser, cloud):
+    _, g = cloud
+    question = "What is the capital of France?"
+    expected = api_answer(g, [{"role": "user", "content": question}], 24, route="cloud")
+    assert expected["x_hybrid"]["route"] == "cloud"
+    open_page(browser, g)
+    ask(browser, question, 24, route="cloud")
+    final, _ = answer(browser)
+    assert final["state"] == "done" and final["text"] == expected["choices"][0]["message"]["content"]
+    assert {p.get("source") for p in final["parts"]} == {"cloud"} and not any("handoff" in p for p in final["parts"])
+    assert final["route"].startswith("route: cloud (") and "cloud" in final["route"][len("route: cloud ("):]
+
+
+def test_killing_the_worker_mid_answer_shows_a_handoff_then_local_spans(browser, cloud):
+    worker, g = cloud
+    expected = api_answer(g, [{"role": "user", "content": STORY}], 200, route="local")["choices"][0]["message"]
+    open_page(browser, g)
+    ask(browser, STORY, 200, route="cloud")
+    killed = []
+
+    def kill(snap):
+        if not killed and len(snap["text"]) > 20:
+            killed.append(snap["text"])
+            worker.kill()
+    final, _ = answer(browser, during=kill)
+    assert killed and final["state"] == "done", final
+    kinds = [("handoff", p["from"], p["to"]) if "handoff" in p else p["source"] for p in final["parts"]]
+    assert kinds[0] == "cloud" and ("handoff", "cloud", "local") in kinds, kinds
+    after = kinds[kinds.index(("handoff", "cloud", "local")) + 1:]
+    assert after and set(after) == {"local"}, kinds
+    marker = next(p for p in final["parts"] if "handoff" in p)
+    assert marker["handoff"].startswith("cloud \u2192 local: ") and len(marker["handoff"]) > len("cloud → local: ")
+    # the device continued from exactly the cloud's text: the whole is still the greedy answer
+    assert final["text"] == expected["content"]
