@@ -26,11 +26,17 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
-from .schemas import APIError, ChatCompletionRequest, CompletionRequest, to_generation_request
+from .schemas import APIError, ChatCompletionRequest, CompletionRequest, ErrorResponse, to_generation_request
 
 STATIC = os.path.join(os.path.dirname(__file__), "static")
+# What /openapi.json publishes: the errors as they are sent ("4XX" also stops FastAPI documenting a 422 that
+# never comes) and, for generation, the SSE answer to `stream: true`.
+V1_ERRORS = {"4XX": {"model": ErrorResponse, "description": "400 invalid, 401 key, 404 model, 429 busy"}}
+GENERATION_RESPONSES = {**V1_ERRORS, 200: {"content": {"text/event-stream": {}}},
+                        503: {"model": ErrorResponse, "description": "the answer could not be produced"}}
 
 
 class Gateway:
@@ -66,6 +72,11 @@ class Gateway:
             raise APIError(400, f"this model's context is {n_ctx} tokens but the prompt is {tokens} tokens "
                                 f"(at least one must be left to generate)", param="messages",
                            code="context_length_exceeded")
+        max_tokens = gen.params.max_tokens
+        if local_only and n_ctx is not None and tokens is not None and tokens + max_tokens > n_ctx:
+            raise APIError(400, f"this model's context is {n_ctx} tokens: the prompt ({tokens} tokens) plus "
+                                f"max_tokens ({max_tokens}) do not fit; lower max_tokens to {n_ctx - tokens} "
+                                f"or less", param="max_tokens", code="context_length_exceeded")
 
     def admit(self) -> None:
         if self.in_flight >= self.max_in_flight:
@@ -109,8 +120,10 @@ class Gateway:
         return "\n".join(lines) + "\n"
 
 
-def _error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+def _error_response(e: APIError) -> Response:
+    # NOTE: ASCII-escaped, as the SSE chunks are: a message that quotes the client (a model name holding a lone
+    # surrogate, valid in JSON) cannot be encoded as UTF-8, and JSONResponse would turn that into a 500.
+    return Response(json.dumps(e.body()), status_code=e.status, headers=e.headers, media_type="application/json")
 
 
 def _stream_error(ev) -> APIError:
@@ -142,9 +155,22 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def _api_error(request: Request, e: APIError):
         return _error_response(e)
 
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, e: HTTPException):  # unknown route, wrong method, unparsable body
+        return _error_response(APIError(e.status_code, str(e.detail), code="not_found" if e.status_code == 404
+                                        else None, headers=dict(e.headers or {})))
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, e: Exception):  # still a 500 (and a logged traceback), but in OpenAI's format
+        return _error_response(APIError(500, "internal error", type="server_error", code="internal"))
+
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, e: RequestValidationError):
         err = e.errors()[0] if e.errors() else {}
+        if err.get("type") == "json_invalid":  # its loc holds a character offset, not a parameter
+            why = err.get("ctx", {}).get("error", "decode error")
+            return _error_response(APIError(400, f"the body is not valid JSON (at character {err['loc'][-1]}): {why}",
+                                            code="invalid_value"))
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         param = ".".join(loc) or None
         msg = f"invalid '{param}': {err.get('msg', 'invalid value')}" if param else f"invalid body: {err.get('msg')}"
@@ -164,7 +190,7 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def metrics():
         return PlainTextResponse(gw.metrics(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=V1_ERRORS)
     async def models():
         return {"object": "list", "data": [{"id": gw.model_id, "object": "model", "created": int(gw.started),
                                             "owned_by": "edge-runtime"}]}
@@ -177,11 +203,11 @@ def create_app(gateway: Gateway) -> FastAPI:
         with open(path, encoding="utf-8") as f:
             return HTMLResponse(f.read())
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
     async def chat(body: ChatCompletionRequest, request: Request):
         return await _complete(request, body, chat=True)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request):
         return await _complete(request, body, chat=False)
 

@@ -31,6 +31,18 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """APIError.body() as the OpenAPI schema publishes it (the gateway's only error shape)."""
+    error: ErrorDetail
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "developer"]
@@ -52,13 +64,14 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-2**63, le=2**64 - 1)  # what torch.Generator.manual_seed takes
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     user: str | None = None
     top_k: int = Field(default=0, ge=0)
     min_p: float = Field(default=0.0, ge=0, le=1)
-    repetition_penalty: float = Field(default=1.0, gt=0)
+    # NOTE: the sampler divides fp32 logits by it; far outside this range they overflow to inf (a NaN draw).
+    repetition_penalty: float = Field(default=1.0, ge=1e-6, le=1e6)
     ignore_eos: bool = False
     route: Literal["auto", "local", "cloud"] = "auto"
     local_only: bool = False
@@ -81,6 +94,10 @@ class CompletionRequest(_Common):
     suffix: str | None = None
     best_of: int | None = None
 
+
+# NOTE: a top_p at or below 1/vocab_size keeps only the most likely token, as this does; far smaller ones
+# round to 0 in the sampler's fp32 and would drop every token.
+MIN_TOP_P = 1e-6
 
 KNOWN_EXTRA = {"logit_bias", "parallel_tool_calls", "metadata", "store", "service_tier", "modalities", "audio",
                "prediction", "reasoning_effort", "web_search_options"}
@@ -138,9 +155,9 @@ def to_generation_request(req: _Common, default_max_tokens: int) -> GenerationRe
     max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens or default_max_tokens
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                                min_p=req.min_p, repetition_penalty=req.repetition_penalty, seed=req.seed, stop=stop,
-                                ignore_eos=req.ignore_eos)
+        params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=max(req.top_p, MIN_TOP_P),
+                                top_k=req.top_k, min_p=req.min_p, repetition_penalty=req.repetition_penalty,
+                                seed=req.seed, stop=stop, ignore_eos=req.ignore_eos)
         if isinstance(req, ChatCompletionRequest):
             messages = [{"role": "system" if m.role == "developer" else m.role, "content": _text(m.content)}
                         for m in req.messages]
@@ -148,7 +165,8 @@ def to_generation_request(req: _Common, default_max_tokens: int) -> GenerationRe
         prompt = req.prompt
         if isinstance(prompt, list):
             if len(prompt) != 1:
-                raise APIError(400, "'prompt' must be one string (batched prompts are not supported)", param="prompt")
+                raise APIError(400, "'prompt' must be one string (batched prompts are not supported)", param="prompt",
+                               code="unsupported_parameter")
             prompt = prompt[0]
         return GenerationRequest(prompt=prompt, params=params, route=req.route, local_only=req.local_only)
     except EdgeRuntimeError as e:

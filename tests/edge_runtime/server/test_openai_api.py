@@ -188,3 +188,10 @@ def test_busy_is_429_with_retry_after_and_the_running_answer_is_unharmed():
         assert "edge_gateway_busy_total 1" in httpx.get(g.url + "/metrics").text
     finally:
         g.stop()
+
+
+def test_max_tokens_beyond_the_context_is_refused_up_front(client, model):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=QUESTION, max_tokens=10**6)
+    assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "max_tokens"
+    assert "lower max_tokens to" in e.value.body["message"]
