@@ -53,14 +53,15 @@ class SamplingParams:
             raise bad("top_p", self.top_p, "must be in (0, 1]")
         if not 0 <= self.min_p <= 1:
             raise bad("min_p", self.min_p, "must be in [0, 1]")
-        if self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", self.repetition_penalty, "must be > 0")
+        if not 1e-6 <= self.repetition_penalty <= 1e6:
+            raise bad("repetition_penalty", self.repetition_penalty, "must be in [1e-6, 1e6] (1 = off)")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise bad("top_k", self.top_k, "must be an integer >= 0 (0 disables it)")
         if not isinstance(self.repeat_last_n, int) or self.repeat_last_n < 0:
             raise bad("repeat_last_n", self.repeat_last_n, "must be an integer >= 0")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise bad("seed", self.seed, "must be an integer")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not -2**63 <= self.seed < 2**64):
+            raise bad("seed", self.seed, "must be an integer in [-2**63, 2**64)")
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", self.ignore_eos, "must be true or false")
         if isinstance(self.stop, str):

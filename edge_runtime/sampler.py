@@ -45,6 +45,7 @@ class Sampler:
             cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
             # Keep the smallest prefix whose mass reaches top_p (always at least one token).
             drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= p.top_p
+            drop_sorted[0] = False  # a top_p that rounds to 0 in fp32 must still keep the top token
             drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
             logits = logits.masked_fill(drop, float("-inf"))
         if p.min_p > 0.0:

@@ -99,3 +99,14 @@ def test_stop_prefix_that_does_not_complete_is_released():
     b, hit2 = m.push("ILL")
     assert (a, hit1, hit2) == ("go ", False, False)
     assert a + b + m.flush() == "go STILL"
+
+
+def test_vanishing_top_p_keeps_the_top_token_and_extreme_values_are_refused():
+    logits = torch.tensor([0.5, 3.0, 1.0, -2.0])
+    for top_p in (5e-324, 1e-46, 1e-6):
+        s = Sampler(SamplingParams(temperature=1.0, top_p=top_p, seed=1))
+        probs = s.probabilities(logits, [])
+        assert probs.tolist() == [0.0, 1.0, 0.0, 0.0] and s.sample(logits, []) == 1
+    for bad in ({"repetition_penalty": 1e-37}, {"repetition_penalty": 1e308}, {"seed": 2**64}, {"seed": -2**63 - 1}):
+        with pytest.raises(InvalidRequestError, match=next(iter(bad))):
+            SamplingParams(**bad)
