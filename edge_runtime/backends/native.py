@@ -106,6 +106,26 @@ class NativeRunner:
             raise ContextLengthError("the KV cache is full")  # the generator stops at n_ctx before this
         return self._run([token_id], len(self.cached_ids)).float().cpu()
 
+    def verify(self, token_ids: list[int]) -> torch.Tensor:
+        """Evaluate several tokens at once (the last sampled token, then draft tokens): logits fp32
+        [len, vocab], row i after token i. They stay provisional: nothing enters the prefix cache until
+        `keep` says how many were accepted."""
+        if not self.blocks.append(self.seq, token_ids):
+            raise ContextLengthError("the KV cache is full")
+        chunk = torch.tensor(token_ids, dtype=torch.long, device=self.model.device)
+        out = self.model(chunk, len(self.cached_ids), all_logits=True, block_table=self.blocks.block_table(self.seq))
+        self.cached_ids.extend(token_ids)
+        return out.float().cpu()
+
+    def keep(self, num_tokens: int) -> None:
+        """Keep the first `num_tokens` tokens of the sequence (prompt and accepted ones): rejected drafts leave
+        the KV cache, and the kept tokens are committed (their full blocks become cacheable)."""
+        if not 0 <= num_tokens <= len(self.cached_ids):
+            raise ValueError(f"cannot keep {num_tokens} of {len(self.cached_ids)} tokens")
+        self.blocks.truncate(self.seq, num_tokens)
+        del self.cached_ids[num_tokens:]
+        self.blocks.commit(self.seq, num_tokens)
+
     def logits(self, token_ids: list[int]) -> torch.Tensor:
         self.reset()  # every position's logits are wanted: no prefix-cache hit
         self._start(token_ids)
