@@ -23,7 +23,7 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (content_type_conformance, response_headers_conformance,
                                                response_schema_conformance, status_code_conformance)
 
-from tests.edge_runtime.server.test_openai_api import KEY, Gateway
+from tests.edge_runtime.server.gateway_fixtures import KEY, Gateway
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_FUZZ_TOKENS = 8

@@ -26,7 +26,7 @@ import pytest
 from websockets.sync.client import connect
 
 from cloud_fallback.launcher import WorkerProcess
-from tests.edge_runtime.server.test_openai_api import KEY, Gateway
+from tests.edge_runtime.server.gateway_fixtures import KEY, Gateway
 
 STORY = "Write a very long story about a dragon who learns to paint."
 
@@ -117,13 +117,6 @@ def browser(tmp_path_factory):
     b = Browser(binary, str(tmp_path_factory.mktemp("chromium-profile")))
     yield b
     b.close()
-
-
-@pytest.fixture(scope="module")
-def gw():
-    g = Gateway()
-    yield g
-    g.stop()
 
 
 @pytest.fixture(scope="module")

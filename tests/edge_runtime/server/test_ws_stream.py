@@ -7,16 +7,9 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from tests.edge_runtime.server.test_openai_api import KEY, Gateway
+from tests.edge_runtime.server.gateway_fixtures import KEY
 
 QUESTION = [{"role": "user", "content": "Explain how a rainbow forms."}]
-
-
-@pytest.fixture(scope="module")
-def gw():
-    g = Gateway()
-    yield g
-    g.stop()
 
 
 def ws_url(gw):
