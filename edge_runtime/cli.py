@@ -14,10 +14,14 @@ import time
 from .errors import EdgeRuntimeError
 
 
-def _add_model_args(p: argparse.ArgumentParser, backend: bool = True) -> None:
+def _add_model_args(p: argparse.ArgumentParser, backend: bool = True, draft: bool = True) -> None:
     p.add_argument("--model", default="default", help="'default' (embedded SmolLM2-135M-Instruct Q4_1) or a GGUF path")
     if backend:
         p.add_argument("--backend", default="native", choices=["native", "llama.cpp"])
+    if backend and draft:
+        p.add_argument("--draft", default="auto", choices=["auto", "mtp", "ngram", "none"],
+                       help="speculative decoding, output unchanged: mtp = the model's trained draft heads, "
+                            "ngram = prompt lookup; auto = mtp where heads ship for the model (native), else ngram")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--ctx", type=int, default=4096, help="context window in tokens")
     p.add_argument("--quant", default="auto", choices=["auto", "gguf", "int4", "int8", "bf16", "fp32"],
@@ -50,7 +54,9 @@ def make_backend(args):
     if args.backend == "native":
         kwargs.update(quant=args.quant, device=args.device, compile=True if args.compile else "auto",
                       kv_dtype=args.kv_dtype, kv_budget=args.kv_budget)
-    return create_backend(args.backend, args.model, **kwargs)
+    backend = create_backend(args.backend, args.model, **kwargs)
+    backend.set_draft(getattr(args, "draft", "none"))
+    return backend
 
 
 def sampling_params(args):
@@ -84,12 +90,23 @@ def cmd_generate(args) -> int:
             "backend": result.backend, "model": os.path.basename(getattr(backend, "path", args.model)),
             "prompt_tokens": result.usage.prompt_tokens, "completion_tokens": result.usage.completion_tokens,
             "ttft_ms": round(result.ttft_ms, 2), "decode_tok_per_s": round(result.decode_tok_per_s, 2),
+            "draft": _draft_summary(backend, result),
         }, ensure_ascii=False))
     else:
         out.write("\n")
+        d = _draft_summary(backend, result)
+        spec = f", draft {d['method']}: {d.get('mean_accepted', 0):.2f} tokens/step" if d["method"] != "none" else ""
         print(f"[{result.backend}: {result.usage.completion_tokens} tokens, finish={result.finish_reason}, "
-              f"ttft {result.ttft_ms:.0f} ms, {result.decode_tok_per_s:.1f} tok/s]", file=sys.stderr)
+              f"ttft {result.ttft_ms:.0f} ms, {result.decode_tok_per_s:.1f} tok/s{spec}]", file=sys.stderr)
     return 0
+
+
+def _draft_summary(backend, result) -> dict:
+    d = result.timings.get("draft") or {}
+    out = {"method": getattr(backend, "draft", "none")}
+    if d:
+        out.update({k: d[k] for k in ("steps", "verify_steps", "proposed", "accepted", "mean_accepted")})
+    return out
 
 
 def cmd_chat(args) -> int:
@@ -142,6 +159,10 @@ def cmd_bench(args) -> int:
         from cloud_fallback.bench_batching import run_batching_bench
 
         return run_batching_bench(args)
+    if args.name == "spec":
+        from .bench_spec import run_spec_bench
+
+        return run_spec_bench(args)
     if args.name == "hybrid":
         from cloud_fallback.bench_hybrid import run_hybrid_bench
 
@@ -195,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_chat, max_tokens=512)
 
     p = sub.add_parser("perplexity", help="perplexity of a UTF-8 text file")
-    _add_model_args(p)
+    _add_model_args(p, draft=False)
     p.add_argument("--json", action="store_true")
     p.add_argument("file")
     p.set_defaults(func=cmd_perplexity, ctx=512)
@@ -209,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.set_defaults(func=cmd_worker)
 
     add_calibrate_router(sub)
+    from .train_mtp import add_train_mtp_parser
+
+    add_train_mtp_parser(sub)
 
     from .cli_serve import add_serve_args
 
@@ -226,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_demo)
 
     b = sub.add_parser("bench", help="benchmarks (each against its anchor, in one run)")
-    b.add_argument("name", choices=["decode", "kv", "attention", "batching", "hybrid", "report"])
+    b.add_argument("name", choices=["decode", "kv", "attention", "batching", "hybrid", "spec", "report"])
     b.add_argument("--dir", default="bench-results", help="report: directory of benchmark JSON files")
     b.add_argument("--out", default=None, help="report: output directory (default DIR/report)")
     b.add_argument("--model", default="default")
@@ -250,6 +274,11 @@ def build_parser() -> argparse.ArgumentParser:
     bh.add_argument("--failovers", type=int, default=5, help="hybrid: worker kills for the failover gap")
     bh.add_argument("--routing-prompts", type=int, default=0, help="hybrid: labelled prompts for the routing "
                     "figures (0 = all)")
+    bs = b.add_argument_group("spec")
+    bs.add_argument("--draft-k", type=int, default=3, help="spec: draft tokens per verification (MT-Bench runs)")
+    bs.add_argument("--questions", type=int, default=80, help="spec: MT-Bench first turns to run (of 80)")
+    bs.add_argument("--grounded", type=int, default=12, help="spec: input-grounded prompts to run")
+    bs.add_argument("--spec-tokens", type=int, default=128, help="spec: tokens per answer")
     b.set_defaults(func=cmd_bench)
     return parser
 

@@ -96,7 +96,49 @@ class FusedDecoder:
         normed = torch.empty(num, cfg.dim)
         for row in range(num):
             self.lib.add_rmsnorm(x[row].data_ptr(), None, m.norm.data_ptr(), cfg.dim, self.eps, normed[row].data_ptr())
+        self.batch_hidden = normed  # [M, dim]: what the head read, one row per sequence
         return m.output(normed).float()
+
+    def step_chunk(self, token_ids: list[int], pos0: int, block_table: list[int]) -> torch.Tensor:
+        """Logits fp32 [T, vocab] for T consecutive tokens of one sequence at positions pos0.. (speculative
+        verification: the last sampled token, then the drafts). Row i equals `step(token_ids[i], pos0 + i)`
+        after steps of the tokens before it, bit for bit (`decode_layers_chunk`: the one-token operations,
+        causal within the chunk), so greedy output with drafting equals plain decoding."""
+        from kernels import cpu_gemv
+
+        m, cfg = self.model, self.cfg
+        if self._tables_for is not m.kv:
+            self._tables()
+        bs = m.kv.block_size
+        last = pos0 + len(token_ids) - 1
+        assert len(block_table) > last // bs, "the block table must cover the new positions"
+        table = torch.tensor(block_table[:last // bs + 1], dtype=torch.int32)
+        n_row = 3 * cfg.dim + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim + cfg.num_heads * cfg.head_dim
+        outs, hidden = [], []
+        for start in range(0, len(token_ids), cpu_gemv.MAX_M):
+            ids = token_ids[start:start + cpu_gemv.MAX_M]
+            num, p0 = len(ids), pos0 + start
+            positions = list(range(p0, p0 + num))
+            x = m.embedding(torch.tensor(ids)).reshape(num, cfg.dim).contiguous()  # updated in place
+            scratch = torch.empty(num * (n_row + 3 * cfg.hidden_dim + cfg.num_heads * (p0 + num)))
+            cos = (ctypes.c_void_p * num)(*[m.cos[p].data_ptr() for p in positions])
+            sin = (ctypes.c_void_p * num)(*[m.sin[p].data_ptr() for p in positions])
+            dims = (ctypes.c_int * 10)(cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_dim,
+                                       p0 + num - 1, cpu_gemv.threads(), bs, KV_KIND[m.kv.kv_dtype], int(m.kv.rotated))
+            rc = self.lib.decode_layers_chunk(cfg.num_layers, num, dims, self.eps, self.scale, self.w_ptrs,
+                                              self.kinds, self.norm_ptrs, self.kv_ptrs, table.data_ptr(),
+                                              (ctypes.c_int * num)(*positions), cos, sin, x.data_ptr(),
+                                              scratch.data_ptr())
+            assert rc == 0, rc
+            normed = torch.empty(num, cfg.dim)
+            for row in range(num):
+                self.lib.add_rmsnorm(x[row].data_ptr(), None, m.norm.data_ptr(), cfg.dim, self.eps,
+                                     normed[row].data_ptr())
+            outs.append(m.output(normed).float())
+            hidden.append(normed)
+        self.chunk_hidden = torch.cat(hidden) if len(hidden) > 1 else hidden[0]  # [T, dim]: what the head read
+        m.last_hidden = self.chunk_hidden[-1]
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     @staticmethod
     def usable(model) -> bool:

@@ -20,6 +20,7 @@ from .detokenizer import IncrementalDetokenizer
 from .errors import ContextLengthError, InvalidRequestError
 from .request import GenerationRequest, StreamEvent, Usage
 from .sampler import Sampler
+from .speculative import Speculator
 from .stop_matcher import StopMatcher
 
 
@@ -76,8 +77,12 @@ def confidence(logits: torch.Tensor) -> dict:
 
 
 def generate_stream(runner: Runner, template: ChatTemplate, request: GenerationRequest, backend: str,
-                    cancel: threading.Event | None = None) -> Iterator[StreamEvent]:
-    """Yield start, delta..., finish for one request. Raises EdgeRuntimeError before 'start' on bad input."""
+                    cancel: threading.Event | None = None, drafter=None) -> Iterator[StreamEvent]:
+    """Yield start, delta..., finish for one request. Raises EdgeRuntimeError before 'start' on bad input.
+
+    With a `drafter` (speculative.py) and a runner that can `verify` several tokens in one pass,
+    tokens are drafted and verified: the output is the same (greedy: bit for bit; sampled: in
+    distribution), only faster when drafts are accepted."""
     params = request.params
     ids = request_ids(runner, request, template, getattr(runner, "vocab_size", 1 << 62))
     if not ids:
@@ -90,6 +95,7 @@ def generate_stream(runner: Runner, template: ChatTemplate, request: GenerationR
     sampler = Sampler(params)
     detok = IncrementalDetokenizer(runner.token_bytes)
     stops = StopMatcher(params.stop)
+    spec = Speculator(runner, drafter) if drafter is not None and hasattr(runner, "verify") else None
     seq = 0
     t_start = time.perf_counter()
     yield StreamEvent("start", info={"backend": backend, "prompt_tokens": len(ids)})
@@ -106,7 +112,7 @@ def generate_stream(runner: Runner, template: ChatTemplate, request: GenerationR
             finish = "cancelled"
             break
         conf = confidence(logits) if request.confidence else None
-        token = sampler.sample(logits, history)
+        token = sampler.sample(logits, history, draft=spec.draft() if spec else None)
         if t_first is None:
             t_first = time.perf_counter()
         if token in runner.eog_ids and not params.ignore_eos:
@@ -126,7 +132,9 @@ def generate_stream(runner: Runner, template: ChatTemplate, request: GenerationR
         if len(generated) >= params.max_tokens or len(history) >= runner.n_ctx:
             finish = "length"
             break
-        logits = runner.step(token)
+        logits = spec.next_logits(token, history, params.max_tokens - len(generated)) if spec else runner.step(token)
+    if spec is not None:
+        spec.finish(history)  # drafts nobody checked leave the KV cache
     if not stop_hit:
         tail, _ = stops.push(detok.flush())
         tail += stops.flush()
@@ -142,5 +150,7 @@ def generate_stream(runner: Runner, template: ChatTemplate, request: GenerationR
         "decode_tok_per_s": (len(generated) - 1) / decode_s if len(generated) > 1 and decode_s > 0 else 0.0,
         "total_s": t_end - t_start,
     }
+    if spec is not None:
+        info["draft"] = spec.stats()
     yield StreamEvent("finish", seq=seq, finish_reason=finish,
                       usage=Usage(prompt_tokens=len(ids), completion_tokens=len(generated)), info=info)

@@ -53,9 +53,28 @@ class Sampler:
             logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
         return torch.softmax(logits / max(p.temperature, 1e-6), dim=-1)
 
-    def sample(self, logits: torch.Tensor, history: list[int]) -> int:
-        """logits: [vocab] for the next position; history: token ids so far (prompt + generated)."""
+    def sample(self, logits: torch.Tensor, history: list[int], draft: int | None = None,
+               draft_probs: torch.Tensor | None = None) -> int:
+        """logits: [vocab] for the next position; history: token ids so far (prompt + generated).
+
+        With a speculative `draft` token for this position drawn from the drafter's distribution q
+        (`draft_probs`), a sampled draw is the rejection test (speculative sampling, Leviathan et al.,
+        Chen et al.): keep the draft with probability min(1, p(d) / q(d)), otherwise draw from
+        max(p - q, 0) renormalized; the token then has exactly distribution p. For a deterministic
+        drafter (q one-hot at d, `draft_probs` None) that test keeps d with probability p(d) and
+        otherwise draws from p without d, which is the same as drawing from p and comparing with d:
+        so that is what happens, and the random stream and the tokens stay those of plain decoding
+        (same seed, same answer, with or without drafting). Greedy ignores the draft."""
         if self.params.greedy:
             return int(torch.argmax(self.apply_penalty(logits.float(), history)))
         probs = self.probabilities(logits, history)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        if draft is None or draft_probs is None:
+            return int(torch.multinomial(probs, 1, generator=self.generator))
+        q_d = float(draft_probs[draft])
+        u = float(torch.rand(1, generator=self.generator))
+        if q_d > 0.0 and u * q_d < float(probs[draft]):
+            return draft
+        residual = torch.clamp(probs - draft_probs.float(), min=0.0)
+        if float(residual.sum()) <= 0.0:  # p == q: the draft is always kept above; reached only by rounding
+            return draft
+        return int(torch.multinomial(residual, 1, generator=self.generator))

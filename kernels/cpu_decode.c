@@ -179,13 +179,16 @@ static inline float dot(const float* a, const float* b, int n) {
  * token together), each row read once for all the query heads of its KV head: between layers the
  * GEMVs evict the cache, and a head-by-head walk would pull every line from memory once per head.
  * out: [nh * hd]. scores: scratch [nh * (pos + 1)]. nh * hd <= 8192. */
-void decode_rope_attend(const float* qkv, int nh, int nkv, int hd, const float* cos_row, const float* sin_row,
-                        const paged_kv* kv, int pos, float scale, float* out, float* scores) {
+/* phase: STORE writes this token's k and v into the cache, ATTEND attends (both: one token's step). */
+enum { STORE = 1, ATTEND = 2 };
+
+static void rope_attend(const float* qkv, int nh, int nkv, int hd, const float* cos_row, const float* sin_row,
+                        const paged_kv* kv, int pos, float scale, float* out, float* scores, int phase) {
     const int half = hd / 2, group = nh / nkv, bs = kv->bs, n = pos + 1;
     const float* v = qkv + (nh + nkv) * hd;
     const size_t wslot = (size_t)kv->table[pos / bs] * bs + pos % bs;
     float row[512], q[8192];
-    for (int j = 0; j < nkv; j++) {  /* k with RoPE, v as is, into the cache */
+    for (int j = 0; j < nkv && (phase & STORE); j++) {  /* k with RoPE, v as is, into the cache */
         const float* k = qkv + (nh + j) * hd;
         for (int i = 0; i < half; i++) {
             row[i] = k[i] * cos_row[i] - k[i + half] * sin_row[i];
@@ -194,6 +197,7 @@ void decode_rope_attend(const float* qkv, int nh, int nkv, int hd, const float* 
         kv_store(kv->k, kv->ks, kv->kind, kv->rotated, wslot, nkv, j, hd, row);
         kv_store(kv->v, kv->vs, kv->kind, kv->rotated, wslot, nkv, j, hd, v + j * hd);
     }
+    if (!(phase & ATTEND)) return;
     for (int h = 0; h < nh; h++) {  /* queries with RoPE, scaled, in the stored basis */
         const float* qs = qkv + h * hd;
         float* qh = q + h * hd;
@@ -239,6 +243,11 @@ void decode_rope_attend(const float* qkv, int nh, int nkv, int hd, const float* 
         for (int h = 0; h < nh; h++) hadamard_rotate(out + h * hd, hd);  /* back to the model's basis */
 }
 
+void decode_rope_attend(const float* qkv, int nh, int nkv, int hd, const float* cos_row, const float* sin_row,
+                        const paged_kv* kv, int pos, float scale, float* out, float* scores) {
+    rope_attend(qkv, nh, nkv, hd, cos_row, sin_row, kv, pos, scale, out, scores, STORE | ATTEND);
+}
+
 /* gate_up: [2 * hidden] = [gate | up]; out[i] = silu(gate[i]) * up[i]. */
 void decode_silu_mul(const float* gate_up, int hidden, float* out) {
     for (int i = 0; i < hidden; i++) {
@@ -269,10 +278,10 @@ static gemv_fn gemv_of(int kind) {
  * row on its own), so a token's result does not depend on what else is in the batch.
  * scratch: at least M * (dim * 3 + (nh + 2 nkv) hd + nh hd + 3 hidden + nh (max_pos + 1)) floats.
  * Returns 0, or the failing GEMV's rc. */
-int decode_layers_batch(int n_layers, int M, const int* dims, float eps, float scale, const uint8_t** w,
-                        const int* kinds, const float** norms, void** kv_pools, const int* tables,
-                        int table_stride, const int* pos, const float** cos_rows, const float** sin_rows,
-                        float* x, float* scratch) {
+static int layers(int n_layers, int M, const int* dims, float eps, float scale, const uint8_t** w,
+                  const int* kinds, const float** norms, void** kv_pools, const int* tables,
+                  int table_stride, const int* pos, const float** cos_rows, const float** sin_rows,
+                  float* x, float* scratch, int one_sequence) {
     const int dim = dims[0], nh = dims[1], nkv = dims[2], hd = dims[3], hidden = dims[4];
     const int max_pos = dims[5], nt = dims[6];
     const int n_qkv = (nh + 2 * nkv) * hd;
@@ -293,12 +302,17 @@ int decode_layers_batch(int n_layers, int M, const int* dims, float eps, float s
             decode_add_rmsnorm(x + (size_t)m * dim, l ? down + (size_t)m * dim : 0, norms[2 * l], dim, eps,
                                normed + (size_t)m * dim);
         if ((rc = gemv_of(lk[0])(lw[0], n_qkv, dim, normed, M, qkv, nt))) return rc;
+        for (int m = 0; m < M && one_sequence; m++) {  /* every row's k/v first: later rows attend to them */
+            paged_kv kv = {kv_pools[4 * l], kv_pools[4 * l + 1], (float*)kv_pools[4 * l + 2],
+                           (float*)kv_pools[4 * l + 3], tables + (size_t)m * table_stride, dims[7], dims[8], dims[9]};
+            rope_attend(qkv + (size_t)m * n_qkv, nh, nkv, hd, cos_rows[m], sin_rows[m], &kv, pos[m], scale, 0, 0, STORE);
+        }
 #pragma omp parallel for num_threads(nt > 1 && M > 1 ? nt : 1) schedule(dynamic, 1)
         for (int m = 0; m < M; m++) {
             paged_kv kv = {kv_pools[4 * l], kv_pools[4 * l + 1], (float*)kv_pools[4 * l + 2],
                            (float*)kv_pools[4 * l + 3], tables + (size_t)m * table_stride, dims[7], dims[8], dims[9]};
-            decode_rope_attend(qkv + (size_t)m * n_qkv, nh, nkv, hd, cos_rows[m], sin_rows[m], &kv, pos[m], scale,
-                               attn + (size_t)m * nh * hd, scores + (size_t)m * n_scores);
+            rope_attend(qkv + (size_t)m * n_qkv, nh, nkv, hd, cos_rows[m], sin_rows[m], &kv, pos[m], scale,
+                        attn + (size_t)m * nh * hd, scores + (size_t)m * n_scores, one_sequence ? ATTEND : STORE | ATTEND);
         }
         if ((rc = gemv_of(lk[1])(lw[1], dim, nh * hd, attn, M, o, nt))) return rc;
         for (int m = 0; m < M; m++)
@@ -310,6 +324,25 @@ int decode_layers_batch(int n_layers, int M, const int* dims, float eps, float s
     }
     for (size_t i = 0; i < (size_t)M * dim; i++) x[i] += down[i];
     return 0;
+}
+
+int decode_layers_batch(int n_layers, int M, const int* dims, float eps, float scale, const uint8_t** w,
+                        const int* kinds, const float** norms, void** kv_pools, const int* tables,
+                        int table_stride, const int* pos, const float** cos_rows, const float** sin_rows,
+                        float* x, float* scratch) {
+    return layers(n_layers, M, dims, eps, scale, w, kinds, norms, kv_pools, tables, table_stride, pos, cos_rows,
+                  sin_rows, x, scratch, 0);
+}
+
+/* M consecutive tokens of ONE sequence (speculative verification): token m at position pos[0] + m, all
+ * with the block table `table`. Each layer stores every row's k/v before any row attends, and row m
+ * attends over positions 0..pos[m] only (causal), so row m's result equals the one-token step at its
+ * position bit for bit: the same operations in the same order. pos: M positions, consecutive. */
+int decode_layers_chunk(int n_layers, int M, const int* dims, float eps, float scale, const uint8_t** w,
+                        const int* kinds, const float** norms, void** kv_pools, const int* table,
+                        const int* pos, const float** cos_rows, const float** sin_rows, float* x, float* scratch) {
+    return layers(n_layers, M, dims, eps, scale, w, kinds, norms, kv_pools, table, 0, pos, cos_rows, sin_rows,
+                  x, scratch, 1);
 }
 
 /* One token: decode_layers_batch with M = 1 (dims[5] is its position; table its block table). */

@@ -111,6 +111,9 @@ class _Library:
         self.decode_layers_batch = self.lib.decode_layers_batch
         self.decode_layers_batch.argtypes = [i, i, p, f, f, p, p, p, p, p, i, p, p, p, p, p]
         self.decode_layers_batch.restype = ctypes.c_int
+        self.decode_layers_chunk = self.lib.decode_layers_chunk
+        self.decode_layers_chunk.argtypes = [i, i, p, f, f, p, p, p, p, p, p, p, p, p, p]
+        self.decode_layers_chunk.restype = ctypes.c_int
         self.kv_store_rows = self.lib.decode_kv_store_rows
         self.kv_store_rows.argtypes, self.kv_store_rows.restype = [p, p, i, i, p, i, i, i, p], None
 

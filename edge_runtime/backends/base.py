@@ -28,6 +28,19 @@ class Backend(ABC):
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self.drafter = None  # speculative drafting (set_draft): None decodes one token per step
+        self.draft = "none"
+
+    def set_draft(self, name: str, k: int | None = None, allow_inexact: bool = False) -> None:
+        """Speculative drafting for this backend's requests: "auto", "none", "ngram" (prompt lookup) or
+        "mtp" (the model's trained multi-token-prediction heads); `k` fixes the draft length (default:
+        adaptive). Output is unchanged; see speculative.py."""
+        from ..speculative import make_drafter, resolve_draft
+
+        drafter = make_drafter(name, self, allow_inexact)
+        if drafter is not None:
+            drafter.fixed_k = k
+        self.drafter, self.draft = drafter, resolve_draft(name, self)
 
     @property
     def n_ctx(self) -> int:
@@ -39,7 +52,7 @@ class Backend(ABC):
     def stream_sync(self, request: GenerationRequest, cancel: threading.Event | None = None) -> Iterator[StreamEvent]:
         """Yield start, delta..., finish. Bad input raises an EdgeRuntimeError before anything is yielded."""
         with self._lock:
-            yield from generate_stream(self.runner, self.template, request, self.name, cancel)
+            yield from generate_stream(self.runner, self.template, request, self.name, cancel, self.drafter)
 
     async def stream(self, request: GenerationRequest, prefix: str | None = None) -> AsyncIterator[StreamEvent]:
         """Async view of `stream_sync`; `prefix` overrides request.prefix (assistant text to continue)."""

@@ -21,6 +21,8 @@ from .base import Backend
 
 
 class LlamaCppRunner:
+    exact_verify = False  # batched llama_decode rows are not bit-identical to one-token rows (speculative.py)
+
     def __init__(self, path: str, n_ctx: int, threads: int | None, n_batch: int = 512, logits_all: bool = False,
                  flash_attn: bool = True):
         try:
@@ -76,6 +78,32 @@ class LlamaCppRunner:
     def step(self, token_id: int) -> torch.Tensor:
         self.llm.eval([token_id])
         return self._last_logits()
+
+    @property
+    def cached_ids(self) -> list[int]:
+        return self.llm.input_ids[:self.llm.n_tokens].tolist()
+
+    def verify(self, token_ids: list[int]) -> torch.Tensor:
+        """Several tokens in one llama_decode with logits for every row: fp32 [len, vocab], row i after
+        token i; `keep` then drops the rejected ones. NOTE: the rows are not bit-identical to one-token
+        steps (see `exact_verify`), so drafting here is for measurement only (bench spec)."""
+        llm, n = self.llm, len(token_ids)
+        assert n <= llm.n_batch, "drafts fit one batch"
+        llm._ctx.kv_cache_seq_rm(-1, llm.n_tokens, -1)
+        llm._batch.set_batch(batch=token_ids, n_past=llm.n_tokens, logits_all=True)
+        llm._ctx.decode(llm._batch)
+        llm.input_ids[llm.n_tokens:llm.n_tokens + n] = token_ids
+        llm.n_tokens += n
+        rows = [np.ctypeslib.as_array(self.lib.llama_get_logits_ith(llm.ctx, i), shape=(self.n_vocab,))
+                for i in range(n)]
+        return torch.from_numpy(np.stack(rows).astype(np.float32, copy=True))
+
+    def keep(self, num_tokens: int) -> None:
+        """Keep the first `num_tokens` evaluated tokens; the KV entries after them are dropped."""
+        if not 0 <= num_tokens <= self.llm.n_tokens:
+            raise ValueError(f"cannot keep {num_tokens} of {self.llm.n_tokens} tokens")
+        self.llm._ctx.kv_cache_seq_rm(-1, num_tokens, -1)
+        self.llm.n_tokens = num_tokens
 
 
 class LlamaCppBackend(Backend):

@@ -52,6 +52,7 @@ class NativeRunner:
         self.seq: int | None = None  # the live sequence
         self.cached_ids: list[int] = []  # its tokens whose K/V are in the cache, in order
         self.last_hidden: torch.Tensor | None = None  # set by prefill()
+        self.hidden_rows: torch.Tensor | None = None  # [T, dim]: set by step() and verify(), one row per token
 
     def tokenize(self, text: str, special: bool = True) -> list[int]:
         return self.tokenizer.encode(text, special=special)
@@ -104,7 +105,9 @@ class NativeRunner:
     def step(self, token_id: int) -> torch.Tensor:
         if not self.blocks.append(self.seq, [token_id]):
             raise ContextLengthError("the KV cache is full")  # the generator stops at n_ctx before this
-        return self._run([token_id], len(self.cached_ids)).float().cpu()
+        logits = self._run([token_id], len(self.cached_ids)).float().cpu()
+        self.hidden_rows = self.model.last_hidden.reshape(1, -1)  # a view of a reused buffer: read it before the next step
+        return logits
 
     def verify(self, token_ids: list[int]) -> torch.Tensor:
         """Evaluate several tokens at once (the last sampled token, then draft tokens): logits fp32
@@ -112,8 +115,16 @@ class NativeRunner:
         `keep` says how many were accepted."""
         if not self.blocks.append(self.seq, token_ids):
             raise ContextLengthError("the KV cache is full")
-        chunk = torch.tensor(token_ids, dtype=torch.long, device=self.model.device)
-        out = self.model(chunk, len(self.cached_ids), all_logits=True, block_table=self.blocks.block_table(self.seq))
+        pos0, table = len(self.cached_ids), self.blocks.block_table(self.seq)
+        if self.model.fused is not None:  # row i is bit for bit the one-token step: drafting stays lossless
+            out = self.model.fused.step_chunk(token_ids, pos0, table)
+            self.hidden_rows = self.model.fused.chunk_hidden
+        else:  # the torch path's T-row kernels round differently from its one-token step: step one by one
+            rows, hidden = [], []
+            for i, t in enumerate(token_ids):
+                rows.append(self.model(torch.tensor([t], device=self.model.device), pos0 + i, block_table=table))
+                hidden.append(self.model.last_hidden.float().cpu().clone())
+            out, self.hidden_rows = torch.cat(rows), torch.stack(hidden)
         self.cached_ids.extend(token_ids)
         return out.float().cpu()
 

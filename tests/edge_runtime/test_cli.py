@@ -29,6 +29,23 @@ def test_generate_json_has_the_documented_fields():
     assert out["completion_tokens"] == len(out["token_ids"]) > 0 and "4" in out["text"]
 
 
+def test_generate_draft_flag_same_answer_with_draft_stats():
+    """--draft on the CLI: the default (auto) drafts with n-gram, mtp uses the shipped heads, and
+    the answer is the one plain decoding gives; MTP on llama.cpp is refused with a clear error."""
+    prompt = "Repeat exactly: red, green, blue, red, green, blue, red, green, blue."
+    outs = {}
+    for draft in ("none", "auto", "mtp"):
+        p = run("generate", "--json", "--max-tokens", "32", "--draft", draft, prompt)
+        assert p.returncode == 0, p.stderr
+        outs[draft] = json.loads(p.stdout)
+    assert outs["none"]["draft"] == {"method": "none"}
+    assert outs["auto"]["draft"]["method"] == "ngram" and outs["mtp"]["draft"]["method"] == "mtp"
+    assert outs["auto"]["draft"]["verify_steps"] > 0 and outs["auto"]["draft"]["accepted"] > 0
+    assert outs["auto"]["token_ids"] == outs["none"]["token_ids"] == outs["mtp"]["token_ids"]
+    p = run("generate", "--backend", "llama.cpp", "--draft", "mtp", "--max-tokens", "4", "Hi")
+    assert p.returncode == 2 and "MTP drafting needs the native backend" in p.stderr
+
+
 def test_generate_streams_text_on_llama_cpp_raw():
     p = run("generate", "--backend", "llama.cpp", "--raw", "--max-tokens", "8", "The capital of France is")
     assert p.returncode == 0, p.stderr

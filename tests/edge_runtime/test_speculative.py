@@ -56,15 +56,19 @@ def test_verify_scores_every_position_and_keep_drops_rejected_drafts(native_back
     first = int(torch.argmax(runner.prefill(ids)))
     greedy = [first]  # the reference: plain one-token steps
     logits = runner.step(first)
+    rows = [logits]
     for _ in range(5):
         greedy.append(int(torch.argmax(logits)))
         logits = runner.step(greedy[-1])
+        rows.append(logits)
     runner.reset()
     runner.prefill(ids)
     drafts = greedy[1:4] + [12345] * 17  # three right, then wrong ones filling at least one whole block
     out = runner.verify([first] + drafts)
     assert out.shape[0] == 21
     assert [int(torch.argmax(out[i])) for i in range(4)] == greedy[1:5]  # row i predicts what follows token i
+    for i in range(4):  # not just the same argmax: the same bits as the one-token step (lossless drafting)
+        assert torch.equal(out[i], rows[i].reshape(-1)), i
     runner.keep(len(ids) + 4)  # the sampled token and three accepted drafts
     assert runner.cached_ids == ids + greedy[:4]
     assert runner.blocks.num_tokens(runner.seq) == len(ids) + 4
