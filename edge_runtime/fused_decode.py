@@ -62,6 +62,33 @@ class FusedDecoder:
                                     m.sin[pos].data_ptr(), x.data_ptr(), self.scratch.data_ptr())
         assert rc == 0, rc
 
+    def _rows(self, token_ids: list[int], positions: list[int]):
+        """What decode_layers_batch/_chunk take for these rows: the residual stream x [M, dim] (embedded,
+        updated in place), scratch, and the ctypes arrays of positions, RoPE rows and dims."""
+        from kernels import cpu_gemv
+
+        m, cfg = self.model, self.cfg
+        if self._tables_for is not m.kv:
+            self._tables()
+        num, max_pos = len(token_ids), max(positions)
+        x = m.embedding(torch.tensor(token_ids)).reshape(num, cfg.dim).contiguous()
+        n_row = 3 * cfg.dim + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim + cfg.num_heads * cfg.head_dim
+        scratch = torch.empty(num * (n_row + 3 * cfg.hidden_dim + cfg.num_heads * (max_pos + 1)))
+        pos_arr = (ctypes.c_int * num)(*positions)
+        cos = (ctypes.c_void_p * num)(*[m.cos[p].data_ptr() for p in positions])
+        sin = (ctypes.c_void_p * num)(*[m.sin[p].data_ptr() for p in positions])
+        dims = (ctypes.c_int * 10)(cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_dim, max_pos,
+                                   cpu_gemv.threads(), m.kv.block_size, KV_KIND[m.kv.kv_dtype], int(m.kv.rotated))
+        return x, scratch, pos_arr, cos, sin, dims
+
+    def _final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The final RMSNorm of each row, as the one-token step computes it: what the output head reads."""
+        m, cfg = self.model, self.cfg
+        normed = torch.empty(x.shape[0], cfg.dim)
+        for row in range(x.shape[0]):
+            self.lib.add_rmsnorm(x[row].data_ptr(), None, m.norm.data_ptr(), cfg.dim, self.eps, normed[row].data_ptr())
+        return normed
+
     def step_batch(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor:
         """Logits fp32 [M, vocab] for M tokens of M different sequences (M <= cpu_gemv.MAX_M), token m
         at positions[m] of the sequence whose blocks are block_tables[m]. Each row's result equals
@@ -69,10 +96,9 @@ class FusedDecoder:
         from kernels import cpu_gemv
 
         m, cfg = self.model, self.cfg
-        if self._tables_for is not m.kv:
-            self._tables()
         num = len(token_ids)
         assert 1 <= num <= cpu_gemv.MAX_M, num
+        x, scratch, pos_arr, cos, sin, dims = self._rows(token_ids, positions)
         bs = m.kv.block_size
         stride = max(p // bs + 1 for p in positions)
         tables = torch.zeros(num, stride, dtype=torch.int32)
@@ -80,23 +106,11 @@ class FusedDecoder:
             n = pos // bs + 1
             assert len(table) >= n, "each block table must cover its new position"
             tables[row, :n] = torch.tensor(table[:n], dtype=torch.int32)
-        max_pos = max(positions)
-        x = m.embedding(torch.tensor(token_ids)).reshape(num, cfg.dim).contiguous()  # updated in place
-        n_row = 3 * cfg.dim + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim + cfg.num_heads * cfg.head_dim
-        scratch = torch.empty(num * (n_row + 3 * cfg.hidden_dim + cfg.num_heads * (max_pos + 1)))
-        pos_arr = (ctypes.c_int * num)(*positions)
-        cos = (ctypes.c_void_p * num)(*[m.cos[p].data_ptr() for p in positions])
-        sin = (ctypes.c_void_p * num)(*[m.sin[p].data_ptr() for p in positions])
-        dims = (ctypes.c_int * 10)(cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_dim,
-                                   max_pos, cpu_gemv.threads(), bs, KV_KIND[m.kv.kv_dtype], int(m.kv.rotated))
         rc = self.lib.decode_layers_batch(cfg.num_layers, num, dims, self.eps, self.scale, self.w_ptrs, self.kinds,
                                           self.norm_ptrs, self.kv_ptrs, tables.data_ptr(), stride, pos_arr, cos, sin,
                                           x.data_ptr(), scratch.data_ptr())
         assert rc == 0, rc
-        normed = torch.empty(num, cfg.dim)
-        for row in range(num):
-            self.lib.add_rmsnorm(x[row].data_ptr(), None, m.norm.data_ptr(), cfg.dim, self.eps, normed[row].data_ptr())
-        self.batch_hidden = normed  # [M, dim]: what the head read, one row per sequence
+        self.batch_hidden = normed = self._final_norm(x)  # [M, dim]: what the head read, one row per sequence
         return m.output(normed).float()
 
     def step_chunk(self, token_ids: list[int], pos0: int, block_table: list[int]) -> torch.Tensor:
@@ -107,38 +121,22 @@ class FusedDecoder:
         from kernels import cpu_gemv
 
         m, cfg = self.model, self.cfg
-        if self._tables_for is not m.kv:
-            self._tables()
-        bs = m.kv.block_size
         last = pos0 + len(token_ids) - 1
-        assert len(block_table) > last // bs, "the block table must cover the new positions"
-        table = torch.tensor(block_table[:last // bs + 1], dtype=torch.int32)
-        n_row = 3 * cfg.dim + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim + cfg.num_heads * cfg.head_dim
+        assert len(block_table) > last // m.kv.block_size, "the block table must cover the new positions"
+        table = torch.tensor(block_table[:last // m.kv.block_size + 1], dtype=torch.int32)
         outs, hidden = [], []
         for start in range(0, len(token_ids), cpu_gemv.MAX_M):
             ids = token_ids[start:start + cpu_gemv.MAX_M]
-            num, p0 = len(ids), pos0 + start
-            positions = list(range(p0, p0 + num))
-            x = m.embedding(torch.tensor(ids)).reshape(num, cfg.dim).contiguous()  # updated in place
-            scratch = torch.empty(num * (n_row + 3 * cfg.hidden_dim + cfg.num_heads * (p0 + num)))
-            cos = (ctypes.c_void_p * num)(*[m.cos[p].data_ptr() for p in positions])
-            sin = (ctypes.c_void_p * num)(*[m.sin[p].data_ptr() for p in positions])
-            dims = (ctypes.c_int * 10)(cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_dim,
-                                       p0 + num - 1, cpu_gemv.threads(), bs, KV_KIND[m.kv.kv_dtype], int(m.kv.rotated))
-            rc = self.lib.decode_layers_chunk(cfg.num_layers, num, dims, self.eps, self.scale, self.w_ptrs,
-                                              self.kinds, self.norm_ptrs, self.kv_ptrs, table.data_ptr(),
-                                              (ctypes.c_int * num)(*positions), cos, sin, x.data_ptr(),
-                                              scratch.data_ptr())
+            x, scratch, pos_arr, cos, sin, dims = self._rows(ids, list(range(pos0 + start, pos0 + start + len(ids))))
+            rc = self.lib.decode_layers_chunk(cfg.num_layers, len(ids), dims, self.eps, self.scale, self.w_ptrs,
+                                              self.kinds, self.norm_ptrs, self.kv_ptrs, table.data_ptr(), pos_arr,
+                                              cos, sin, x.data_ptr(), scratch.data_ptr())
             assert rc == 0, rc
-            normed = torch.empty(num, cfg.dim)
-            for row in range(num):
-                self.lib.add_rmsnorm(x[row].data_ptr(), None, m.norm.data_ptr(), cfg.dim, self.eps,
-                                     normed[row].data_ptr())
-            outs.append(m.output(normed).float())
-            hidden.append(normed)
-        self.chunk_hidden = torch.cat(hidden) if len(hidden) > 1 else hidden[0]  # [T, dim]: what the head read
+            hidden.append(self._final_norm(x))
+            outs.append(m.output(hidden[-1]).float())
+        self.chunk_hidden = torch.cat(hidden)  # [T, dim]: what the head read
         m.last_hidden = self.chunk_hidden[-1]
-        return torch.cat(outs) if len(outs) > 1 else outs[0]
+        return torch.cat(outs)
 
     @staticmethod
     def usable(model) -> bool:

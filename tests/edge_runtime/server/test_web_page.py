@@ -16,7 +16,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import threading
 import time
@@ -26,7 +25,7 @@ import pytest
 from websockets.sync.client import connect
 
 from cloud_fallback.launcher import WorkerProcess
-from tests.edge_runtime.server.gateway_fixtures import KEY, Gateway
+from tests.edge_runtime.server.gateway_fixtures import KEY, Gateway, stop_group
 
 STORY = "Write a very long story about a dragon who learns to paint."
 
@@ -90,13 +89,7 @@ class Browser:
     def close(self):
         if getattr(self, "ws", None) is not None:
             self.ws.close()
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_group(self.proc, 10)
 
 
 def wait_for(check, timeout=60.0, what="condition"):
