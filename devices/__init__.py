@@ -1,1 +1,15 @@
-"""devices package."""
+"""What this machine has and what to run on it: detection, profiles (data files) and the choice between them.
+
+`detect()` probes the CPU, memory, battery, CUDA / MPS GPUs and onnxruntime's
+execution providers; `choose(found)` picks a profile from `devices/profiles/*.json`
+and adjusts it to the machine (backend, device, weights, KV dtype and budget,
+threads, providers), with one reason per decision. This package knows nothing
+of models or of `edge_runtime`: it imports torch, psutil and onnxruntime only
+inside guarded probes.
+"""
+from .choice import Choice, choose
+from .detection import detect
+from .errors import DeviceError
+from .profile import ProfileError, load_profiles
+
+__all__ = ["Choice", "DeviceError", "ProfileError", "choose", "detect", "load_profiles"]

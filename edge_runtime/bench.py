@@ -1,11 +1,13 @@
-"""`edge-runtime bench decode`: native vs llama.cpp on the same GGUF, in one run.
+"""`edge-runtime bench decode`: native vs llama.cpp (and onnxruntime) on the same GGUF, in one run.
 
 Each backend is measured in its own fresh process (so peak RSS and warm start
 are its own) through the same runner-level loop: prefill of a 512-token
 prompt, then 100-token prompt + 128 greedy decode steps, medians of
 `--repeats`. Warm start is timed from the start of model loading to the first
 token, after one untimed run has filled the compile cache. Results are written
-as JSON with the ratios native / llama.cpp.
+as JSON with the ratios native / llama.cpp. `--backends` picks the set
+(native,llama.cpp,onnxruntime runs all three side by side; onnxruntime runs
+the export of the same GGUF, made once by the untimed run).
 """
 from __future__ import annotations
 
@@ -94,28 +96,45 @@ def print_and_save(result: dict, json_file: str | None) -> None:
     print(text)
 
 
+KNOWN = ("native", "llama.cpp", "onnxruntime")
+
+
 def run_bench(args) -> int:
     if args.name != "decode":
         raise EdgeRuntimeError(f"unknown benchmark {args.name!r}")
     import torch
 
+    names = [b.strip() for b in (args.backends or "native,llama.cpp").split(",") if b.strip()]
+    bad = [b for b in names if b not in KNOWN]
+    if bad or not names:
+        raise EdgeRuntimeError(f"--backends takes a comma-separated list of {', '.join(KNOWN)}, got {args.backends!r}")
     threads = args.threads or torch.get_num_threads()
-    # One untimed native start fills the compile cache, so the timed runs measure a warm start.
-    _worker("native", args.model, threads, 0) if args.repeats > 0 else None
-    res = {"benchmark": "decode", "model": args.model, "threads": threads,
+    res = {"benchmark": "decode", "model": args.model, "threads": threads, "backends": names,
            "workload": {"prefill_prompt_tokens": PREFILL_TOKENS, "decode_prompt_tokens": DECODE_PROMPT_TOKENS,
-                        "decode_tokens": DECODE_TOKENS, "repeats": args.repeats},
-           "native": _worker("native", args.model, threads, args.repeats),
-           "llama_cpp": _worker("llama.cpp", args.model, threads, args.repeats)}
-    res["decode_ratio"] = res["native"]["decode_tok_s"] / res["llama_cpp"]["decode_tok_s"]
-    res["prefill_ratio"] = res["native"]["prefill_tok_s"] / res["llama_cpp"]["prefill_tok_s"]
+                        "decode_tokens": DECODE_TOKENS, "repeats": args.repeats}}
+    keys = []
+    for name in names:
+        # One untimed start fills the compile cache (native) or writes the ONNX export (onnxruntime), so
+        # the timed runs measure a warm start.
+        _worker(name, args.model, threads, 0) if args.repeats > 0 and name != "llama.cpp" else None
+        key = name.replace(".", "_")
+        res[key] = _worker(name, args.model, threads, args.repeats)
+        keys.append(key)
+    if "native" in res and "llama_cpp" in res:
+        res["decode_ratio"] = res["native"]["decode_tok_s"] / res["llama_cpp"]["decode_tok_s"]
+        res["prefill_ratio"] = res["native"]["prefill_tok_s"] / res["llama_cpp"]["prefill_tok_s"]
+    if "llama_cpp" in res:  # every backend against the llama.cpp anchor
+        res["vs_llama_cpp"] = {k: {"decode": res[k]["decode_tok_s"] / res["llama_cpp"]["decode_tok_s"],
+                                   "prefill": res[k]["prefill_tok_s"] / res["llama_cpp"]["prefill_tok_s"]}
+                               for k in keys if k != "llama_cpp"}
     res["targets"] = {"decode_ratio": 1.0, "prefill_ratio": 1.0, "warm_start_to_first_token_s": 2.0}
     res["date"] = time.strftime("%Y-%m-%d %H:%M:%S")
-    for k in ("native", "llama_cpp"):
+    for k in keys:
         r = res[k]
-        print(f"{k:10s} prefill {r['prefill_tok_s']:7.1f} tok/s  decode {r['decode_tok_s']:6.1f} tok/s  "
+        print(f"{k:11s} prefill {r['prefill_tok_s']:7.1f} tok/s  decode {r['decode_tok_s']:6.1f} tok/s  "
               f"peak RSS {r['peak_rss_mib']:6.0f} MiB  warm start->first token {r['warm_start_to_first_token_s']:.2f} s")
-    print(f"decode_ratio {res['decode_ratio']:.3f}  prefill_ratio {res['prefill_ratio']:.3f} (native / llama.cpp)")
+    if "decode_ratio" in res:
+        print(f"decode_ratio {res['decode_ratio']:.3f}  prefill_ratio {res['prefill_ratio']:.3f} (native / llama.cpp)")
     if args.json_file:
         with open(args.json_file, "w") as f:
             json.dump(res, f, indent=2)

@@ -1,4 +1,4 @@
-"""`edge-runtime` command line: generate, chat, perplexity, worker, bench (decode, kv, attention, batching).
+"""`edge-runtime` command line: generate, chat, perplexity, worker, devices, bench (decode, kv, attention, batching).
 
 Converts arguments into requests and prints results; user errors become one
 line on stderr and exit status 2, never a traceback.
@@ -15,25 +15,35 @@ from .errors import EdgeRuntimeError
 
 
 def _add_model_args(p: argparse.ArgumentParser, backend: bool = True, draft: bool = True) -> None:
-    p.add_argument("--model", default="default", help="'default' (embedded SmolLM2-135M-Instruct Q4_1) or a GGUF path")
+    p.add_argument("--model", default="default", help="'default' (embedded SmolLM2-135M-Instruct Q4_1), a GGUF "
+                   "path, or (onnxruntime) an export-onnx folder")
     if backend:
-        p.add_argument("--backend", default="native", choices=["native", "llama.cpp"])
+        p.add_argument("--backend", default="auto", choices=["auto", "native", "llama.cpp", "onnxruntime"],
+                       help="auto = the device profile's choice for this machine (see `edge-runtime devices`)")
     if backend and draft:
         p.add_argument("--draft", default="auto", choices=["auto", "mtp", "ngram", "none"],
                        help="speculative decoding, output unchanged: mtp = the model's trained draft heads, "
-                            "ngram = prompt lookup; auto = mtp where heads ship for the model (native), else ngram")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+                            "ngram = prompt lookup; auto = ngram where verification is exact (native), else none")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: the device profile's, one per "
+                   "physical core)" if backend else "CPU threads (default: all cores)")
     p.add_argument("--ctx", type=int, default=4096, help="context window in tokens")
     p.add_argument("--quant", default="auto", choices=["auto", "gguf", "int4", "int8", "bf16", "fp32"],
                    help="native backend weights: gguf = the file's blocks with our AVX2 kernels, int4 = torch's "
-                        "packed int4, fp32 = dequantized reference; auto = gguf where the kernels run, else int4")
+                        "packed int4, fp32 = dequantized reference; auto = the device profile's (gguf where the "
+                        "kernels run, else int4)")
     p.add_argument("--compile", action="store_true", help="native backend: torch.compile the decode step "
                    "(cached on disk; off by default: it does not pay with the default kernels here)")
-    p.add_argument("--device", default="cpu", help="native backend: torch device (cpu, cuda, mps)")
-    p.add_argument("--kv-dtype", default="fp16", choices=["fp16", "bf16", "int8", "fp32"],
-                   help="native backend: what the paged KV cache stores (int8: per-token-head scales, ~0.53x fp16)")
+    if backend:
+        p.add_argument("--device", default=None, help="a device kind (cpu, cuda, cuda:N, mps, qnn, openvino, dml) "
+                       "or a device profile name; default: the best one found (see `edge-runtime devices`)")
+    else:
+        p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, mps)")
+    p.add_argument("--kv-dtype", default=None if backend else "fp16", choices=["fp16", "bf16", "int8", "fp32"],
+                   help="native backend: what the paged KV cache stores (int8: per-token-head scales, ~0.53x "
+                        "fp16); default: the device profile's (fp16; int8 when memory is low)")
     p.add_argument("--kv-budget", default=None, help="native backend: KV cache memory, a size (512MiB, 2GB) or a "
-                   "share of available memory (25%%); default: 4 context windows, at most 25%% of available memory")
+                   "share of available memory (25%%); default: 4 context windows, at most 25%% of available memory "
+                   "and at most the device profile's budget")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -47,14 +57,37 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
+def choose_device(args):
+    """The device profile's choice for this machine (devices.choose), honouring --device and --backend."""
+    import devices
+
+    try:
+        return devices.choose(devices.detect(), device=args.device,
+                              backend=None if args.backend == "auto" else args.backend)
+    except devices.DeviceError as e:
+        raise EdgeRuntimeError(e.message) from None
+
+
+def backend_args(args, compile: bool | str = "auto") -> tuple[str, dict, object]:
+    """(backend name, create_backend kwargs, Choice): the profile's settings under the explicit flags."""
+    choice = choose_device(args)
+    kwargs = {"n_ctx": args.ctx, "threads": args.threads or choice.threads}
+    if choice.backend == "native":
+        kwargs.update(quant=choice.quant if args.quant == "auto" else args.quant, device=choice.device,
+                      compile=compile, kv_dtype=args.kv_dtype or choice.kv_dtype, kv_budget=args.kv_budget,
+                      kv_budget_cap=None if args.kv_budget else choice.kv_budget_bytes,
+                      kv_block_size=choice.block_size)
+    elif choice.backend == "onnxruntime":
+        kwargs.update(providers=choice.providers, provider_options=choice.provider_options)
+    return choice.backend, kwargs, choice
+
+
 def make_backend(args):
     from .backends import create_backend
 
-    kwargs = {"n_ctx": args.ctx, "threads": args.threads}
-    if args.backend == "native":
-        kwargs.update(quant=args.quant, device=args.device, compile=True if args.compile else "auto",
-                      kv_dtype=args.kv_dtype, kv_budget=args.kv_budget)
-    backend = create_backend(args.backend, args.model, **kwargs)
+    name, kwargs, choice = backend_args(args, True if args.compile else "auto")
+    backend = create_backend(name, args.model, **kwargs)
+    backend.device_choice = choice
     backend.set_draft(getattr(args, "draft", "none"))
     return backend
 
@@ -88,6 +121,7 @@ def cmd_generate(args) -> int:
         print(json.dumps({
             "text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
             "backend": result.backend, "model": os.path.basename(getattr(backend, "path", args.model)),
+            "device_profile": backend.device_choice.profile,
             "prompt_tokens": result.usage.prompt_tokens, "completion_tokens": result.usage.completion_tokens,
             "ttft_ms": round(result.ttft_ms, 2), "decode_tok_per_s": round(result.decode_tok_per_s, 2),
             "draft": _draft_summary(backend, result),
@@ -125,11 +159,8 @@ def cmd_perplexity(args) -> int:
         raise EdgeRuntimeError(f"cannot read {args.file}: {e.strerror}") from None
     except UnicodeDecodeError:
         raise EdgeRuntimeError(f"{args.file} is not UTF-8 text") from None
-    kwargs = {"n_ctx": args.ctx, "threads": args.threads}
-    if args.backend == "native":
-        kwargs.update(quant=args.quant, device=args.device, compile=False, kv_dtype=args.kv_dtype,
-                      kv_budget=args.kv_budget)
-    backend = create_backend(args.backend, args.model, **kwargs)
+    name, kwargs, _ = backend_args(args, compile=False)
+    backend = create_backend(name, args.model, **kwargs)
     ids = backend.tokenize(text, special=False)
     if len(ids) < args.ctx:
         raise EdgeRuntimeError(f"{args.file} has {len(ids)} tokens; perplexity needs at least --ctx {args.ctx}")
@@ -230,9 +261,15 @@ def build_parser() -> argparse.ArgumentParser:
     w.set_defaults(func=cmd_worker)
 
     add_calibrate_router(sub)
+    from .cli_devices import register as add_devices
+
+    add_devices(sub)
     from .train_mtp import add_train_mtp_parser
 
     add_train_mtp_parser(sub)
+    from .onnx_export import add_export_parser
+
+    add_export_parser(sub)
 
     from .cli_serve import add_serve_args
 
@@ -257,6 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--threads", type=int, default=None)
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--json", dest="json_file", default=None, help="write results to this JSON file")
+    b.add_argument("--backends", default=None, help="decode: comma-separated backends side by side "
+                   "(native, llama.cpp, onnxruntime; default native,llama.cpp)")
     bb = b.add_argument_group("batching")
     bb.add_argument("--requests", type=int, default=100, help="batching: requests in the workload")
     bb.add_argument("--max-batch", type=int, default=8, help="batching: the worker's max batch")

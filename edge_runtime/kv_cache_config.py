@@ -70,6 +70,7 @@ class KVCacheConfig:
     kv_dtype: str = "fp16"
     block_size: int = 16
     budget: str | int | float | None = None  # see parse_budget
+    cap: int | None = None  # bytes: the default budget never exceeds this (a device profile's KV budget)
 
     def __post_init__(self):
         if self.kv_dtype not in KV_DTYPES:
@@ -87,4 +88,5 @@ class KVCacheConfig:
             return self.budget
         if isinstance(self.budget, float):
             return int(available_memory(device) * self.budget)
-        return min(DEFAULT_WINDOWS * n_ctx * per_token, int(available_memory(device) * DEFAULT_SHARE))
+        default = min(DEFAULT_WINDOWS * n_ctx * per_token, int(available_memory(device) * DEFAULT_SHARE))
+        return default if self.cap is None else min(default, self.cap)

@@ -34,3 +34,20 @@ def prose():
 
     with open(PROSE, encoding="utf-8") as f:
         return f.read()
+
+
+@pytest.fixture(scope="session")
+def onnx_export_dir(model_path, tmp_path_factory):
+    """The default model exported once to ONNX (edge-runtime export-onnx, default settings)."""
+    from edge_runtime.onnx_export import export_onnx
+
+    out = tmp_path_factory.mktemp("onnx")
+    export_onnx(model_path, str(out))
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def ort_backend(onnx_export_dir):
+    from edge_runtime.backends import create_backend
+
+    return create_backend("onnxruntime", onnx_export_dir, n_ctx=2048, providers=["CPUExecutionProvider"])

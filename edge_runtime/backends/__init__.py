@@ -1,10 +1,10 @@
-"""Local backends behind one interface: `native` (our torch engine) and `llama.cpp`."""
+"""Local backends behind one interface: `native` (our torch engine), `llama.cpp` and `onnxruntime`."""
 from __future__ import annotations
 
 from ..errors import BackendUnavailableError
 from .base import Backend
 
-BACKENDS = ("native", "llama.cpp")
+BACKENDS = ("native", "llama.cpp", "onnxruntime")
 
 
 def create_backend(name: str, model: str = "default", **kwargs) -> Backend:
@@ -18,6 +18,11 @@ def create_backend(name: str, model: str = "default", **kwargs) -> Backend:
 
         kwargs = {k: v for k, v in kwargs.items() if k in ("n_ctx", "threads")}
         return LlamaCppBackend(model, **kwargs)
+    if name in ("onnxruntime", "ort", "onnx"):
+        from .ort import OnnxRuntimeBackend
+
+        kwargs = {k: v for k, v in kwargs.items() if k in ("n_ctx", "threads", "providers", "provider_options")}
+        return OnnxRuntimeBackend(model, **kwargs)
     raise BackendUnavailableError(f"unknown backend {name!r} (choose from: {', '.join(BACKENDS)})")
 
 

@@ -164,10 +164,11 @@ class NativeBackend(Backend):
     def __init__(self, model: str = "default", n_ctx: int = 4096, threads: int | None = None,
                  quant: str = "auto", device: str = "cpu", compile: bool | str = "auto",
                  head_quant: str | None = None, progress=None, fused: bool = True,
-                 kv_dtype: str = "fp16", kv_budget: str | int | float | None = None, kv_block_size: int = 16):
+                 kv_dtype: str = "fp16", kv_budget: str | int | float | None = None, kv_block_size: int = 16,
+                 kv_budget_cap: int | None = None):
         super().__init__()
         _check_device(device)
-        self.kv_config = KVCacheConfig(kv_dtype, kv_block_size, kv_budget)  # bad flags fail before loading
+        self.kv_config = KVCacheConfig(kv_dtype, kv_block_size, kv_budget, kv_budget_cap)  # bad flags fail before loading
         if threads:
             torch.set_num_threads(threads)
         self.model, gf = load_model(model, quant=quant, device=device, head_quant=head_quant)

@@ -27,6 +27,9 @@ def test_generate_json_has_the_documented_fields():
         assert key in out
     assert out["backend"] == "native" and out["finish_reason"] in ("stop", "length")
     assert out["completion_tokens"] == len(out["token_ids"]) > 0 and "4" in out["text"]
+    import devices
+
+    assert out["device_profile"] == devices.choose(devices.detect()).profile  # --backend auto took the profile
 
 
 def test_generate_draft_flag_same_answer_with_draft_stats():
@@ -148,4 +151,4 @@ def test_chat_keeps_history_resets_and_survives_ctrl_c():
 def test_unavailable_device():
     if __import__("torch").cuda.is_available():
         pytest.skip("CUDA is present")
-    bad(["generate", "--device", "cuda", "hi"], "CUDA is not available")
+    bad(["generate", "--device", "cuda", "hi"], "device 'cuda' (profile laptop_cuda) is not available here: no CUDA GPU")
