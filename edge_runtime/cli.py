@@ -78,7 +78,9 @@ def backend_args(args, compile: bool | str = "auto") -> tuple[str, dict, object]
                       kv_budget_cap=None if args.kv_budget else choice.kv_budget_bytes,
                       kv_block_size=choice.block_size)
     elif choice.backend == "onnxruntime":
-        kwargs.update(providers=choice.providers, provider_options=choice.provider_options)
+        # int8 where the profile asks for it (QNN's HTP runs 8-bit); otherwise the GGUF's own blocks
+        kwargs.update(providers=choice.providers, provider_options=choice.provider_options,
+                      weights="int8" if choice.quant == "int8" else "auto")
     return choice.backend, kwargs, choice
 
 

@@ -21,7 +21,8 @@ def create_backend(name: str, model: str = "default", **kwargs) -> Backend:
     if name in ("onnxruntime", "ort", "onnx"):
         from .ort import OnnxRuntimeBackend
 
-        kwargs = {k: v for k, v in kwargs.items() if k in ("n_ctx", "threads", "providers", "provider_options")}
+        kwargs = {k: v for k, v in kwargs.items() if k in ("n_ctx", "threads", "providers", "provider_options",
+                                                          "weights")}
         return OnnxRuntimeBackend(model, **kwargs)
     raise BackendUnavailableError(f"unknown backend {name!r} (choose from: {', '.join(BACKENDS)})")
 

@@ -180,14 +180,16 @@ class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
 
     def __init__(self, model: str = "default", n_ctx: int = 4096, threads: int | None = None,
-                 providers: list[str] | None = None, provider_options: dict | None = None):
+                 providers: list[str] | None = None, provider_options: dict | None = None, weights: str = "auto"):
+        """`model`: an export folder, or a GGUF ('default', a path) exported once into the cache with `weights`
+        (auto, int4 or int8: see export-onnx). `providers`: the order to try; default: the device profile's."""
         super().__init__()
         if providers is None:  # the device profile's order for this machine
             import devices
 
             choice = devices.choose(devices.detect(), backend="onnxruntime")
             providers, provider_options = choice.providers, choice.provider_options
-        self.export_dir = resolve_export(model)
+        self.export_dir = resolve_export(model, weights)
         self.runner = OrtRunner(self.export_dir, n_ctx, threads, providers, provider_options)
         self.path = self.runner.meta.get("source", self.export_dir)
         self.config = self.runner.config

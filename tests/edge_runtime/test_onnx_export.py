@@ -78,3 +78,14 @@ def test_positions_follow_the_past_length(onnx_export_dir):
     assert last[0].shape == (1, 1, 49152) and last[1].shape == (1, 3, 7, 64)
     fresh = sess.run(None, {**feed, "input_ids": np.array([[6]]), "num_logits": np.array([1])})
     assert np.abs(last[0] - fresh[0]).max() > 1.0  # position and context matter
+
+
+def test_int8_weights_mode(model_path):
+    """--weights int8: every projection becomes 8-bit MatMulNBits (requantized per block of 32, symmetric)."""
+    from edge_runtime.onnx_export import build_graph
+
+    proto, cfg, _ = build_graph(model_path, weights="int8", accuracy_level=4)
+    nbits = [n for n in proto.graph.node if n.op_type == "MatMulNBits"]
+    assert len(nbits) == 30 * 4 + 1  # at level 4 the 8-bit head stays one node
+    assert {a.i for n in nbits for a in n.attribute if a.name == "bits"} == {8}
+    assert not [n for n in proto.graph.node if n.op_type == "ReduceSum"]  # no Q4_1 term: codes carry it all
