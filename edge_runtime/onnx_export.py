@@ -145,9 +145,18 @@ def build_graph(path: str, weights: str = "auto", accuracy_level: int = 0):
         q_perm, k_perm = _unpermute_rows(nh, nh * hd), _unpermute_rows(nkv, nkv * hd)
     outputs = []
 
+    def add_norm(x: str, res: str | None, weight: str) -> tuple[str, str]:
+        """(RMSNorm(x + res), x + res): one SkipSimplifiedLayerNormalization instead of an Add and a norm."""
+        if res is None:
+            return g.op("SimplifiedLayerNormalization", [x, weight], axis=-1, epsilon=eps), x
+        h, _, _, total = g.op("SkipSimplifiedLayerNormalization", [x, res, weight], n_out=4, domain="com.microsoft",
+                              epsilon=eps)
+        return h, total
+
+    res = None  # the residual branch not yet added to x
     for i in range(cfg.num_layers):
         p = f"blk.{i}."
-        h = g.op("SimplifiedLayerNormalization", [x, vec(p + "attn_norm.weight")], axis=-1, epsilon=eps)
+        h, x = add_norm(x, res, vec(p + "attn_norm.weight"))
         qkv = _linear(g, h, [w(p + "attn_q.weight", q_perm), w(p + "attn_k.weight", k_perm),
                              w(p + "attn_v.weight")], p + "attn_qkv")
         if cfg.attn_bias:
@@ -157,14 +166,13 @@ def build_graph(path: str, weights: str = "auto", accuracy_level: int = 0):
                                                     cos, sin], n_out=3, domain="com.microsoft", num_heads=nh,
                              kv_num_heads=nkv, do_rotary=1, rotary_interleaved=0, scale=float(1.0 / np.sqrt(hd)))
         outputs += [(pk, f"present.{i}.key"), (pv, f"present.{i}.value")]
-        x = g.op("Add", [x, g.matmul(attn, w(p + "attn_output.weight"), p + "attn_output")])
-        h = g.op("SimplifiedLayerNormalization", [x, vec(p + "ffn_norm.weight")], axis=-1, epsilon=eps)
+        h, x = add_norm(x, g.matmul(attn, w(p + "attn_output.weight"), p + "attn_output"), vec(p + "ffn_norm.weight"))
         gate, up = g.op("Split", [_linear(g, h, [w(p + "ffn_gate.weight"), w(p + "ffn_up.weight")], p + "ffn_gate_up"),
                                   i64(cfg.hidden_dim, cfg.hidden_dim)], n_out=2, axis=-1)
         act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
-        x = g.op("Add", [x, g.matmul(act, w(p + "ffn_down.weight"), p + "ffn_down")])
-    last = g.op("Slice", [x, g.op("Neg", ["num_logits"]), i64(2**62), i64(1)])
-    h = g.op("SimplifiedLayerNormalization", [last, vec("output_norm.weight")], axis=-1, epsilon=eps)
+        res = g.matmul(act, w(p + "ffn_down.weight"), p + "ffn_down")
+    last = [g.op("Slice", [t, g.op("Neg", ["num_logits"]), i64(2**62), i64(1)]) for t in (x, res)]
+    h, _ = add_norm(last[0], last[1], vec("output_norm.weight"))
     head = w("output.weight") if "output.weight" in gf.tensors else emb  # tied embeddings
     outputs.insert(0, (g.matmul(h, head, "output"), "logits"))
     for src, name in outputs:  # name the graph outputs

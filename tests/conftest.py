@@ -51,3 +51,4 @@ def ort_backend(onnx_export_dir):
     from edge_runtime.backends import create_backend
 
     return create_backend("onnxruntime", onnx_export_dir, n_ctx=2048, providers=["CPUExecutionProvider"])
+

@@ -99,6 +99,7 @@ class OrtRunner:
         self.vocab_size = self.tokenizer.vocab_size
         cfg = self.config
         self._names = [f"past_key_values.{i}.{kv}" for i in range(cfg.num_layers) for kv in ("key", "value")]
+        self._outputs = [o.name for o in self.session.get_outputs()]  # logits, present.0.key, ...
         self._empty = np.zeros((1, cfg.num_kv_heads, 0, cfg.head_dim), np.float32)
         self.reset()
 
@@ -109,25 +110,37 @@ class OrtRunner:
         return self.tokenizer.token_bytes(token_id)
 
     def reset(self) -> None:
-        self.past = [self._empty] * len(self._names)
+        import onnxruntime as ort
+
+        self.past = [ort.OrtValue.ortvalue_from_numpy(self._empty)] * len(self._names)
         self.cached_ids: list[int] = []
 
     def _run(self, token_ids: list[int], num_logits: int) -> np.ndarray:
-        """Append token_ids to the held sequence; logits [num_logits, vocab] of its last positions."""
+        """Append token_ids to the held sequence; logits [num_logits, vocab] of its last positions.
+        NOTE: the K/V stay onnxruntime's own values from one call to the next (io binding): converting the
+        60 `present` outputs to numpy each step copied the whole cache once more."""
         if len(self.cached_ids) + len(token_ids) > self.n_ctx:
             raise ContextLengthError(f"{len(self.cached_ids) + len(token_ids)} tokens exceed the context of "
                                      f"{self.n_ctx}")
-        feed = dict(zip(self._names, self.past))
-        feed["input_ids"] = np.asarray([token_ids], dtype=np.int64)
-        feed["num_logits"] = np.asarray([num_logits], dtype=np.int64)
-        out = self.session.run(None, feed)
+        binding = self.session.io_binding()
+        for name, value in zip(self._names, self.past):
+            binding.bind_ortvalue_input(name, value)
+        binding.bind_cpu_input("input_ids", np.asarray([token_ids], dtype=np.int64))
+        binding.bind_cpu_input("num_logits", np.asarray([num_logits], dtype=np.int64))
+        for name in self._outputs:
+            binding.bind_output(name)
+        self.session.run_with_iobinding(binding)
+        out = binding.get_outputs()
         self.past = out[1:]
         self.cached_ids += token_ids
-        return out[0][0]
+        return out[0].numpy()[0]
 
     def _keep(self, n: int) -> None:
         if n < len(self.cached_ids):
-            self.past = [np.ascontiguousarray(p[:, :, :n]) for p in self.past]
+            import onnxruntime as ort
+
+            self.past = [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(p.numpy()[:, :, :n]))
+                         for p in self.past]
             self.cached_ids = self.cached_ids[:n]
 
     def prefill(self, token_ids: list[int]) -> torch.Tensor:

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from tests.child_process import sigint_default
 from tests.gguf_fixtures import write_tiny_llama
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -127,7 +128,7 @@ def test_invalid_sampling_values(flag, value, name):
 def test_chat_keeps_history_resets_and_survives_ctrl_c():
     proc = subprocess.Popen([sys.executable, "-m", "edge_runtime", "chat", "--max-tokens", "400"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=ROOT, bufsize=1)
+                            cwd=ROOT, bufsize=1, preexec_fn=sigint_default)
     try:
         proc.stdin.write("Write a very long story about a dragon.\n")
         proc.stdin.flush()

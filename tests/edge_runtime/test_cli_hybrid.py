@@ -5,6 +5,7 @@ import socket
 import pytest
 
 from cloud_fallback.launcher import WorkerProcess
+from tests.child_process import sigint_default
 from tests.edge_runtime.test_cli import run
 
 PROMPT = "What is the capital of France?"
@@ -69,7 +70,7 @@ def test_chat_on_the_hybrid_runtime_marks_sources_and_ctrl_c_stops_only_the_clou
     proc = subprocess.Popen([sys.executable, "-m", "edge_runtime", "chat", "--max-tokens", "400", "--cloud", worker.url,
                              "--cloud-token-file", worker.token_path, "--route", "cloud"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            bufsize=1)
+                            bufsize=1, preexec_fn=sigint_default)
     try:
         proc.stdin.write("Write a very long story about a dragon.\n")
         proc.stdin.flush()

@@ -91,3 +91,17 @@ def test_generate_cli_on_onnxruntime(onnx_export_dir):
     out = json.loads(p.stdout)
     assert out["backend"] == "onnxruntime" and out["completion_tokens"] == len(out["token_ids"]) > 0
     assert out["draft"]["method"] == "none"
+
+
+def test_hybrid_runtime_answers_offline_through_onnxruntime(ort_backend):
+    """The router and hybrid stream take the onnxruntime backend as their device side (one interface)."""
+    import asyncio
+
+    from edge_runtime.hybrid import HybridRuntime
+
+    runtime = HybridRuntime(ort_backend, cloud=None, offline=True)
+    request = _request("Name a color.", n=12)
+    assert runtime.decide(request).route == "local"
+    result = asyncio.run(runtime.generate(request))
+    assert result.text.strip() and result.backend == "hybrid"
+    assert result.token_ids == ort_backend.generate(_request("Name a color.", n=12)).token_ids
