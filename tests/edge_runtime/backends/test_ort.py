@@ -2,15 +2,11 @@
 import json
 import logging
 import os
-import subprocess
-import sys
 
 import pytest
 
 from edge_runtime.errors import BackendUnavailableError, ModelFileError
 from edge_runtime.request import GenerationRequest, SamplingParams
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def _request(text, n=32):
@@ -83,12 +79,12 @@ def test_folder_that_is_not_an_export(tmp_path):
         create_backend("onnxruntime", str(tmp_path), providers=["CPUExecutionProvider"])
 
 
-def test_generate_cli_on_onnxruntime(onnx_export_dir):
-    p = subprocess.run([sys.executable, "-m", "edge_runtime", "generate", "--backend", "onnxruntime", "--model",
-                        onnx_export_dir, "--json", "--max-tokens", "8", "What is 2+2?"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert p.returncode == 0, p.stderr
-    out = json.loads(p.stdout)
+def test_generate_cli_on_onnxruntime(onnx_export_dir, capsys):
+    from edge_runtime.cli import main
+
+    assert main(["generate", "--backend", "onnxruntime", "--model", onnx_export_dir, "--json", "--max-tokens", "8",
+                 "What is 2+2?"]) == 0
+    out = json.loads(capsys.readouterr().out)
     assert out["backend"] == "onnxruntime" and out["completion_tokens"] == len(out["token_ids"]) > 0
     assert out["draft"]["method"] == "none"
 
