@@ -116,7 +116,8 @@ def run_bench(args) -> int:
     for name in names:
         # One untimed start fills the compile cache (native) or writes the ONNX export (onnxruntime), so
         # the timed runs measure a warm start.
-        _worker(name, args.model, threads, 0) if args.repeats > 0 and name != "llama.cpp" else None
+        if args.repeats > 0 and name != "llama.cpp":
+            _worker(name, args.model, threads, 0)
         key = name.replace(".", "_")
         res[key] = _worker(name, args.model, threads, args.repeats)
         keys.append(key)

@@ -26,7 +26,7 @@ import os
 
 import numpy as np
 
-from .errors import EdgeRuntimeError, UnsupportedModelError
+from .errors import EdgeRuntimeError
 from .gguf_file import GGUFFile
 from .model_config import ModelConfig
 from .onnx_weights import NBits, concat, from_gguf_rows, split_8bit
@@ -212,8 +212,6 @@ def export_onnx(model: str, out_dir: str, weights: str = "auto", accuracy_level:
 
     path = resolve_model_path(model)
     proto, cfg, gf = build_graph(path, weights, accuracy_level)
-    if cfg.max_context <= 0:  # pragma: no cover - from_gguf requires context_length
-        raise UnsupportedModelError("the model has no context length")
     os.makedirs(out_dir, exist_ok=True)
     tmp = os.path.join(out_dir, MODEL_FILE + ".tmp")
     onnx.save_model(proto, tmp, save_as_external_data=True, all_tensors_to_one_file=True,
