@@ -76,7 +76,14 @@ def run_worker(args) -> int:
     token = _read_secret(args.token_file, "token") if args.token_file else None
     limits, tls = _limits(args), _tls(args)
     engine = None
+    arith = getattr(args, "arith", "auto")
+    if arith != "auto" and (args.upstream is not None or args.quant not in ("auto", "gguf")):
+        raise EdgeRuntimeError(f"--arith {arith} applies to the worker's own engine with GGUF weights, "
+                               f"not to {'an upstream' if args.upstream else f'--quant {args.quant}'}")
     if args.upstream is None:
+        from kernels import cpu_gemv
+
+        cpu_gemv.set_arith("int8" if arith == "auto" else arith)
         from edge_runtime.batch_engine import load_engine
         from edge_runtime.kv_cache_config import KVCacheConfig
         from edge_runtime.scheduler import SchedulerConfig

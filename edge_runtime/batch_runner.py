@@ -28,9 +28,9 @@ class BatchRunner:
     def __init__(self, model, decode_group: int | None = None):
         self.model = model
         if decode_group is None:
-            from kernels.cpu_gemv import MAX_M
+            from kernels.cpu_gemv import max_rows
 
-            decode_group = MAX_M if model.fused is not None else 256
+            decode_group = max_rows() if model.fused is not None else 256
         self.decode_group = decode_group
         # prefill chunks up to this many tokens (in total) share one pass; the GGUF layers compute up
         # to 64 rows as row-by-row GEMVs, so packing them changes no row's result
@@ -47,7 +47,7 @@ class BatchRunner:
         small: list[int] = []  # prefill chunks packed into one variable-length forward
         for i, c in enumerate(chunks):
             n = c.end - c.start
-            if n > self.varlen_max_tokens:
+            if n > self.varlen_max_tokens or (n > 1 and model.fused is not None and model.fused.exact_prefill()):
                 ids = torch.tensor(c.token_ids, dtype=torch.long, device=model.device)
                 logits = model(ids, c.start, block_table=c.block_table)
                 if c.samples:

@@ -32,13 +32,21 @@ def _prose_ids(backend, n: int) -> list[int]:
 
 
 def measure(backend_name: str, model: str, threads: int | None, repeats: int) -> dict:
-    """Runs inside the worker process. Returns this backend's figures."""
+    """Runs inside the worker process. Returns this backend's figures ("native-exact": the native
+    backend with fp32-activation GEMVs; "native": with the integer kernels)."""
     import resource
 
     import torch
 
     from .backends import create_backend
 
+    arith = None
+    if backend_name.startswith("native"):
+        from kernels import cpu_gemv
+
+        arith = "exact" if backend_name == "native-exact" else "int8"
+        cpu_gemv.set_arith(arith)
+        backend_name = "native"
     t0 = time.perf_counter()
     backend = create_backend(backend_name, model, n_ctx=2048, threads=threads)
     runner = backend.runner
@@ -64,7 +72,16 @@ def measure(backend_name: str, model: str, threads: int | None, repeats: int) ->
         for _ in range(DECODE_TOKENS):
             logits = runner.step(int(torch.argmax(logits)))
         decode.append(DECODE_TOKENS / (time.perf_counter() - t))
+    extra = {}
+    if arith is not None:
+        from kernels import cpu_qgemm
+
+        from .bench_steps import step_costs, weight_bytes
+
+        extra = {"arith": arith, "isa": cpu_qgemm.variant(), "weight_bytes": weight_bytes(runner.model)}
+        extra.update(step_costs(runner.model, ids))
     return {
+        **extra,
         "prefill_tok_s": statistics.median(prefill[1:]),
         "decode_tok_s": statistics.median(decode[1:]),
         "prefill_runs": prefill[1:],
@@ -96,7 +113,34 @@ def print_and_save(result: dict, json_file: str | None) -> None:
     print(text)
 
 
-KNOWN = ("native", "llama.cpp", "onnxruntime")
+KNOWN = ("native", "native-exact", "llama.cpp", "onnxruntime")
+# t(8)/t(1) and t(4)/t(1) of the batched step, by what the CPU has (issue 16's targets)
+STEP_TARGETS = {"vnni": {"8": 1.5, "4": 1.25}, "avx2": {"8": 2.0, "4": 1.5}}
+
+
+def machine() -> dict:
+    """CPU model, ISA variant of the kernels, and the commit, for the JSON."""
+    import platform
+
+    from kernels import cpu_gemv, cpu_qgemm
+
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    dirty = bool(commit) and bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                                 capture_output=True, text=True, timeout=10,
+                                                 cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip())
+    return {"cpu_model": model, "isa": cpu_qgemm.variant() if cpu_gemv.available() else None,
+            "isa_runnable": cpu_qgemm.supported() if cpu_gemv.available() else [],
+            "commit": commit + ("-dirty" if dirty else "")}
 
 
 def run_bench(args) -> int:
@@ -104,12 +148,14 @@ def run_bench(args) -> int:
         raise EdgeRuntimeError(f"unknown benchmark {args.name!r}")
     import torch
 
-    names = [b.strip() for b in (args.backends or "native,llama.cpp").split(",") if b.strip()]
+    names = [b.strip() for b in (args.backends or "native,native-exact,llama.cpp").split(",") if b.strip()]
     bad = [b for b in names if b not in KNOWN]
     if bad or not names:
         raise EdgeRuntimeError(f"--backends takes a comma-separated list of {', '.join(KNOWN)}, got {args.backends!r}")
     threads = args.threads or torch.get_num_threads()
-    res = {"benchmark": "decode", "model": args.model, "threads": threads, "backends": names,
+    from .bench_steps import read_bandwidth_gbs
+
+    res = {"benchmark": "decode", "model": args.model, "threads": threads, "backends": names, **machine(),
            "workload": {"prefill_prompt_tokens": PREFILL_TOKENS, "decode_prompt_tokens": DECODE_PROMPT_TOKENS,
                         "decode_tokens": DECODE_TOKENS, "repeats": args.repeats}}
     keys = []
@@ -128,7 +174,20 @@ def run_bench(args) -> int:
         res["vs_llama_cpp"] = {k: {"decode": res[k]["decode_tok_s"] / res["llama_cpp"]["decode_tok_s"],
                                    "prefill": res[k]["prefill_tok_s"] / res["llama_cpp"]["prefill_tok_s"]}
                                for k in keys if k != "llama_cpp"}
-    res["targets"] = {"decode_ratio": 1.0, "prefill_ratio": 1.0, "warm_start_to_first_token_s": 2.0}
+    # after the backends: a parent's peak RSS would show up in its children's (kept across exec)
+    res["bandwidth_gbs"] = read_bandwidth_gbs(threads)
+    if "native" in res:
+        nat = res["native"]
+        res["bandwidth_limit_tok_s"] = res["bandwidth_gbs"] * 1e9 / nat["weight_bytes"]
+        res["bandwidth_share"] = nat["decode_tok_s"] / res["bandwidth_limit_tok_s"]
+        res["step_cost_ratio"] = nat.get("step_cost_ratio", {})
+        res["verify_cost_ratio_4"] = nat.get("verify_cost_ratio_4")
+        if "native_exact" in res:
+            res["int8_over_exact"] = {k: nat[f"{k}_tok_s"] / res["native_exact"][f"{k}_tok_s"]
+                                      for k in ("decode", "prefill")}
+    step_targets = STEP_TARGETS["vnni" if res["isa"] in ("avxvnni", "avx512vnni") else "avx2"]
+    res["targets"] = {"decode_ratio": 1.5, "prefill_ratio": 1.3, "warm_start_to_first_token_s": 2.0,
+                      "step_cost_ratio": step_targets, "verify_cost_ratio_4": step_targets["4"]}
     res["date"] = time.strftime("%Y-%m-%d %H:%M:%S")
     for k in keys:
         r = res[k]
@@ -136,6 +195,10 @@ def run_bench(args) -> int:
               f"peak RSS {r['peak_rss_mib']:6.0f} MiB  warm start->first token {r['warm_start_to_first_token_s']:.2f} s")
     if "decode_ratio" in res:
         print(f"decode_ratio {res['decode_ratio']:.3f}  prefill_ratio {res['prefill_ratio']:.3f} (native / llama.cpp)")
+    if res.get("step_cost_ratio"):
+        curve = "  ".join(f"t({m})/t(1) {r:.2f}" for m, r in res["step_cost_ratio"].items())
+        print(f"isa {res['isa']}  {curve}  verify t(4)/t(1) {res['verify_cost_ratio_4']:.2f}  "
+              f"bandwidth {res['bandwidth_gbs']:.1f} GB/s, decode at {100 * res['bandwidth_share']:.0f} % of its limit")
     if args.json_file:
         with open(args.json_file, "w") as f:
             json.dump(res, f, indent=2)

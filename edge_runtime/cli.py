@@ -31,6 +31,10 @@ def _add_model_args(p: argparse.ArgumentParser, backend: bool = True, draft: boo
                    help="native backend weights: gguf = the file's blocks with our AVX2 kernels, int4 = torch's "
                         "packed int4, fp32 = dequantized reference; auto = the device profile's (gguf where the "
                         "kernels run, else int4)")
+    p.add_argument("--arith", default="auto", choices=["auto", "int8", "exact"],
+                   help="native backend with GGUF weights: int8 = 8-bit activations and integer dot products "
+                        "(the same bits on every CPU and for every batch), exact = fp32 activations (the "
+                        "reference); auto = int8")
     p.add_argument("--compile", action="store_true", help="native backend: torch.compile the decode step "
                    "(cached on disk; off by default: it does not pay with the default kernels here)")
     if backend:
@@ -72,7 +76,23 @@ def backend_args(args, compile: bool | str = "auto") -> tuple[str, dict, object]
     """(backend name, create_backend kwargs, Choice): the profile's settings under the explicit flags."""
     choice = choose_device(args)
     kwargs = {"n_ctx": args.ctx, "threads": args.threads or choice.threads}
+    arith = getattr(args, "arith", "auto")
+    if arith != "auto":
+        quant = choice.quant if args.quant == "auto" else args.quant
+        if choice.backend != "native" or quant != "gguf":
+            raise EdgeRuntimeError(f"--arith {arith} applies to the native backend with GGUF weights "
+                                   f"(--quant gguf), not to backend {choice.backend} with weights {quant}")
     if choice.backend == "native":
+        from kernels import cpu_gemv
+
+        cpu_gemv.set_arith("int8" if arith == "auto" else arith)
+        if cpu_gemv.available():  # a bad EDGE_RUNTIME_ISA is a one-line error now, not a failure mid-answer
+            from kernels import cpu_qgemm
+
+            try:
+                cpu_qgemm.variant()
+            except cpu_qgemm.ISAError as e:
+                raise EdgeRuntimeError(str(e)) from None
         kwargs.update(quant=choice.quant if args.quant == "auto" else args.quant, device=choice.device,
                       compile=compile, kv_dtype=args.kv_dtype or choice.kv_dtype, kv_budget=args.kv_budget,
                       kv_budget_cap=None if args.kv_budget else choice.kv_budget_bytes,

@@ -1,8 +1,8 @@
 """`edge-runtime devices`: what this machine has, what would be chosen, and why (docs/devices.md).
 
 Only prints; it loads no model. `--json` prints one object with the keys
-`found` (devices.detect()), `chosen` (the Choice without its reasons) and
-`reasons`. A device or backend that is unknown or absent is a user error.
+`found` (devices.detect()), `chosen` (the Choice without its reasons),
+`reasons` and `kernels` (the ISA variant of the C kernels and the ones this CPU runs). A device or backend that is unknown or absent is a user error.
 """
 from __future__ import annotations
 
@@ -33,7 +33,20 @@ def report(device: str | None = None, backend: str | None = None) -> dict:
     except devices.DeviceError as e:
         raise EdgeRuntimeError(e.message) from None
     reasons = choice.pop("reasons")
-    return {"found": found, "chosen": choice, "reasons": reasons}
+    return {"found": found, "chosen": choice, "reasons": reasons, "kernels": kernels_report()}
+
+
+def kernels_report() -> dict:
+    """The C kernels' state: whether they load, the ISA variant in use and the ones this CPU runs."""
+    from kernels import cpu_gemv, cpu_qgemm
+
+    if not cpu_gemv.available():
+        return {"available": False, "reason": cpu_gemv.unavailable_reason(), "isa_variant": None, "runnable": []}
+    try:
+        return {"available": True, "reason": "", "isa_variant": cpu_qgemm.variant(), "best": cpu_qgemm.best(),
+                "runnable": cpu_qgemm.supported(), "arith": cpu_gemv.arith()}
+    except cpu_qgemm.ISAError as e:
+        raise EdgeRuntimeError(str(e)) from None
 
 
 def cmd_devices(args) -> int:
@@ -74,6 +87,9 @@ def format_report(out: dict) -> str:
                  f"(budget {_size(c['kv_budget_bytes'])}, blocks of {c['block_size']} tokens), "
                  f"threads {c['threads']}")
     lines.append(f"  onnxruntime providers: {', '.join(c['providers'])}")
+    k = out["kernels"]
+    lines.append(f"  kernels: ISA variant {k['isa_variant']} (runnable here: {', '.join(k['runnable'])}), "
+                 f"arithmetic {k['arith']}" if k["available"] else f"  kernels: unavailable ({k['reason']})")
     lines.append("reasons")
     lines += [f"  - {r}" for r in out["reasons"]]
     return "\n".join(lines)

@@ -30,9 +30,14 @@ class FusedDecoder:
 
         m, cfg = self.model, self.cfg
         kv = m.kv
+        from kernels import cpu_gemv, cpu_qgemm
+
         lins = [lin for b in m.blocks for lin in (b.wqkv, b.wo, b.w_gate_up, b.w_down)]
-        self.w_ptrs = (ctypes.c_void_p * len(lins))(*[lin.weight.data_ptr() for lin in lins])
-        self.kinds = (ctypes.c_int * len(lins))(*[KIND_CODE[lin.kind] for lin in lins])
+        # int8 arithmetic reads the packed layout where the selected kernels have it (kind code + 16)
+        packed = [cpu_gemv.arith() == "int8" and cpu_qgemm.packed_supported(lin.kind) for lin in lins]
+        self.w_ptrs = (ctypes.c_void_p * len(lins))(*[lin.packed_weight().data_ptr() if p else lin.weight.data_ptr()
+                                                      for lin, p in zip(lins, packed)])
+        self.kinds = (ctypes.c_int * len(lins))(*[KIND_CODE[lin.kind] + 16 * p for lin, p in zip(lins, packed)])
         self.norm_ptrs = (ctypes.c_void_p * (2 * cfg.num_layers))(
             *[t.data_ptr() for b in m.blocks for t in (b.attn_norm, b.ffn_norm)])
         ptrs = []
@@ -44,19 +49,25 @@ class FusedDecoder:
         n_qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         self.scratch = torch.empty(3 * cfg.dim + n_qkv + cfg.num_heads * cfg.head_dim + 3 * cfg.hidden_dim
                                    + cfg.num_heads * m.n_ctx)
-        self._tables_for = kv  # the tables point into this cache's pools
+        self._tables_for = (self.model.kv, self._table_key())  # the tables point into these pools and weights
+
+    def _table_key(self) -> tuple:
+        from kernels import cpu_gemv, cpu_qgemm
+
+        return (cpu_gemv.arith(), cpu_qgemm.variant())
 
     def _whole_step(self, x: torch.Tensor, pos: int, block_table: list[int]) -> None:
         from kernels import cpu_gemv
 
         m, cfg = self.model, self.cfg
-        if self._tables_for is not m.kv:
+        if self._tables_for is None or self._tables_for[0] is not m.kv or self._tables_for[1] != self._table_key():
             self._tables()
         n = pos // m.kv.block_size + 1
         assert len(block_table) >= n, "the block table must cover the new position"
         self.table[:n] = torch.tensor(block_table[:n], dtype=torch.int32)
-        dims = (ctypes.c_int * 10)(cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_dim,
-                                   pos, cpu_gemv.threads(), m.kv.block_size, KV_KIND[m.kv.kv_dtype], int(m.kv.rotated))
+        dims = (ctypes.c_int * 11)(cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_dim,
+                                   pos, cpu_gemv.threads(), m.kv.block_size, KV_KIND[m.kv.kv_dtype], int(m.kv.rotated),
+                                   cpu_gemv.arith_code())
         rc = self.lib.decode_layers(cfg.num_layers, dims, self.eps, self.scale, self.w_ptrs, self.kinds,
                                     self.norm_ptrs, self.kv_ptrs, self.table.data_ptr(), m.cos[pos].data_ptr(),
                                     m.sin[pos].data_ptr(), x.data_ptr(), self.scratch.data_ptr())
@@ -68,7 +79,7 @@ class FusedDecoder:
         from kernels import cpu_gemv
 
         m, cfg = self.model, self.cfg
-        if self._tables_for is not m.kv:
+        if self._tables_for is None or self._tables_for[0] is not m.kv or self._tables_for[1] != self._table_key():
             self._tables()
         num, max_pos = len(token_ids), max(positions)
         x = m.embedding(torch.tensor(token_ids)).reshape(num, cfg.dim).contiguous()
@@ -77,8 +88,9 @@ class FusedDecoder:
         pos_arr = (ctypes.c_int * num)(*positions)
         cos = (ctypes.c_void_p * num)(*[m.cos[p].data_ptr() for p in positions])
         sin = (ctypes.c_void_p * num)(*[m.sin[p].data_ptr() for p in positions])
-        dims = (ctypes.c_int * 10)(cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_dim, max_pos,
-                                   cpu_gemv.threads(), m.kv.block_size, KV_KIND[m.kv.kv_dtype], int(m.kv.rotated))
+        dims = (ctypes.c_int * 11)(cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_dim, max_pos,
+                                   cpu_gemv.threads(), m.kv.block_size, KV_KIND[m.kv.kv_dtype], int(m.kv.rotated),
+                                   cpu_gemv.arith_code())
         return x, scratch, pos_arr, cos, sin, dims
 
     def _final_norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -90,14 +102,14 @@ class FusedDecoder:
         return normed
 
     def step_batch(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor:
-        """Logits fp32 [M, vocab] for M tokens of M different sequences (M <= cpu_gemv.MAX_M), token m
+        """Logits fp32 [M, vocab] for M tokens of M different sequences (M <= cpu_gemv.max_rows()), token m
         at positions[m] of the sequence whose blocks are block_tables[m]. Each row's result equals
         `step` of that token alone: the C code runs every row through the one-token operations."""
         from kernels import cpu_gemv
 
         m, cfg = self.model, self.cfg
         num = len(token_ids)
-        assert 1 <= num <= cpu_gemv.MAX_M, num
+        assert 1 <= num <= cpu_gemv.max_rows(), num
         x, scratch, pos_arr, cos, sin, dims = self._rows(token_ids, positions)
         bs = m.kv.block_size
         stride = max(p // bs + 1 for p in positions)
@@ -113,7 +125,14 @@ class FusedDecoder:
         self.batch_hidden = normed = self._final_norm(x)  # [M, dim]: what the head read, one row per sequence
         return m.output(normed).float()
 
-    def step_chunk(self, token_ids: list[int], pos0: int, block_table: list[int]) -> torch.Tensor:
+    def prefill(self, token_ids: list[int], pos0: int, block_table: list[int], all_logits: bool = False) -> torch.Tensor:
+        """Logits fp32 [T or 1, vocab] for a prompt piece at positions pos0.. through `step_chunk`: every row
+        gets the one-token step's bits, so a prompt's last logits do not depend on how it was split (prefix-
+        cache hits, chunked prefill, a worker's schedule) and equal feeding it one token at a time. Only the
+        rows asked for go through the output head."""
+        return self.step_chunk(token_ids, pos0, block_table, head="all" if all_logits else "last")
+
+    def step_chunk(self, token_ids: list[int], pos0: int, block_table: list[int], head: str = "all") -> torch.Tensor:
         """Logits fp32 [T, vocab] for T consecutive tokens of one sequence at positions pos0.. (speculative
         verification: the last sampled token, then the drafts). Row i equals `step(token_ids[i], pos0 + i)`
         after steps of the tokens before it, bit for bit (`decode_layers_chunk`: the one-token operations,
@@ -125,18 +144,29 @@ class FusedDecoder:
         assert len(block_table) > last // m.kv.block_size, "the block table must cover the new positions"
         table = torch.tensor(block_table[:last // m.kv.block_size + 1], dtype=torch.int32)
         outs, hidden = [], []
-        for start in range(0, len(token_ids), cpu_gemv.MAX_M):
-            ids = token_ids[start:start + cpu_gemv.MAX_M]
+        step = cpu_gemv.max_rows()
+        for start in range(0, len(token_ids), step):
+            ids = token_ids[start:start + step]
             x, scratch, pos_arr, cos, sin, dims = self._rows(ids, list(range(pos0 + start, pos0 + start + len(ids))))
             rc = self.lib.decode_layers_chunk(cfg.num_layers, len(ids), dims, self.eps, self.scale, self.w_ptrs,
                                               self.kinds, self.norm_ptrs, self.kv_ptrs, table.data_ptr(), pos_arr,
                                               cos, sin, x.data_ptr(), scratch.data_ptr())
             assert rc == 0, rc
             hidden.append(self._final_norm(x))
-            outs.append(m.output(hidden[-1]).float())
+            if head == "all":
+                outs.append(m.output(hidden[-1]).float())
         self.chunk_hidden = torch.cat(hidden)  # [T, dim]: what the head read
         m.last_hidden = self.chunk_hidden[-1]
-        return torch.cat(outs)
+        return torch.cat(outs) if head == "all" else m.output(self.chunk_hidden[-1:]).float()
+
+    @staticmethod
+    def exact_prefill() -> bool:
+        """True when prompts go through `prefill` too: with the integer kernels (cpu_gemv.arith() == "int8"),
+        whose 8-bit rounding would turn the torch path's fp32 op-order differences into whole steps. With
+        "exact" the torch path's dense prefill stays (faster there, within fp32 rounding of the C rows)."""
+        from kernels import cpu_gemv
+
+        return cpu_gemv.arith() == "int8"
 
     @staticmethod
     def usable(model) -> bool:

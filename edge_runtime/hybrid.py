@@ -14,8 +14,13 @@ Hand-offs:
   prompt (after its first k tokens) or when confidence collapses later;
 - failover (cloud -> local): the cloud stream ends with an error (unreachable,
   killed, stalled past its deadline, an error frame); the device continues;
-- hand-back (local -> cloud): after a failover, a probe reconnects and pings
-  the cloud; once it answers, the cloud takes the rest if it was faster.
+- hand-back (local -> cloud): only after a failover whose cause a heartbeat
+  can clear (the connection was lost or stalled): a probe reconnects and pings
+  the cloud; once it answers, the cloud takes the rest if it was faster. An
+  error frame over a healthy connection (an upstream or engine error) is not
+  cleared by a ping, so that answer stays on the device. At most
+  `max_handbacks` hand-backs per answer, and the probe interval doubles after
+  each one, so a cloud that keeps failing cannot make the answer flap.
 
 The continuation is an assistant prefix: the text so far, and its token ids
 when both sides have the same tokenizer (same fingerprint) and the ids decode
@@ -38,6 +43,11 @@ from .generator import build_prompt
 from .request import GenerationRequest, GenerationResult, StreamEvent, Usage
 from .router import RouteDecision, Router, kv_bytes_per_token
 
+HAND_BACK_MODES = ("faster", "always", "never")
+# Failover codes that an answered heartbeat clears: the connection was lost or went silent. Any other error
+# (upstream_error, internal, busy, ...) came over a working connection, so a ping says nothing about it.
+TRANSPORT_CODES = frozenset({"unreachable", "stalled"})
+
 
 @dataclass
 class _State:
@@ -50,15 +60,25 @@ class _State:
     usage: dict = field(default_factory=dict)  # source -> Usage
     generated: int = 0  # completion tokens so far, all sources
     rate: dict = field(default_factory=dict)  # source -> tokens per second while it streamed
+    may_hand_back: bool = False  # the last failover's cause is one a heartbeat clears, and the limit allows one
+    num_handbacks: int = 0
 
 
 class HybridRuntime:
     def __init__(self, local, cloud=None, offline: bool = False, route: str = "auto", router: Router | None = None,
                  policy=None, monitor_factory: Callable | None = None, hand_back: str = "faster",
-                 probe_interval: float = 0.5):
+                 probe_interval: float = 0.5, max_handbacks: int = 2):
         """`policy`: a difficulty Calibration (default: the packaged one); `monitor_factory()` overrides the
-        monitor it builds; `hand_back`: after a failover, return to the cloud `faster` (only if it streamed
-        faster than the device), `always`, or `never`."""
+        monitor it builds; `hand_back`: after a failover caused by a lost or stalled connection, return to the
+        cloud `faster` (only if it streamed faster than the device), `always`, or `never`; `probe_interval`:
+        seconds between heartbeat probes before the first hand-back of an answer, doubled after each one;
+        `max_handbacks`: hand-backs allowed per answer."""
+        if hand_back not in HAND_BACK_MODES:
+            raise ValueError(f"hand_back must be one of {', '.join(HAND_BACK_MODES)}, not {hand_back!r}")
+        if not probe_interval > 0:
+            raise ValueError(f"probe_interval must be positive, not {probe_interval!r}")
+        if isinstance(max_handbacks, bool) or not isinstance(max_handbacks, int) or max_handbacks < 0:
+            raise ValueError(f"max_handbacks must be a non-negative int, not {max_handbacks!r}")
         self.local, self.cloud, self.offline, self.route = local, cloud, offline, route
         if policy is None and monitor_factory is None and router is None:
             policy = _packaged_policy()
@@ -67,7 +87,7 @@ class HybridRuntime:
                                        kv_bytes_per_token=kv_bytes_per_token(local), policy=policy,
                                        watch=monitor_factory is not None)
         self.monitor_factory = monitor_factory or (policy.monitor if policy is not None else None)
-        self.hand_back, self.probe_interval = hand_back, probe_interval
+        self.hand_back, self.probe_interval, self.max_handbacks = hand_back, probe_interval, max_handbacks
 
     def prompt_tokens(self, request: GenerationRequest) -> int | None:
         try:
@@ -97,10 +117,14 @@ class HybridRuntime:
             return None
         return ids if text == request.prefix + st.text else None
 
-    async def _probe(self) -> float:
-        """Wait until the cloud answers a heartbeat; returns its round trip (ms)."""
+    def handback_delay(self, num_handbacks: int) -> float:
+        """Seconds between probes once an answer has been handed back `num_handbacks` times (exponential)."""
+        return self.probe_interval * 2 ** num_handbacks
+
+    async def _probe(self, delay: float) -> float:
+        """Wait until the cloud answers a heartbeat, trying every `delay` s; returns its round trip (ms)."""
         while True:
-            await asyncio.sleep(self.probe_interval)
+            await asyncio.sleep(delay)
             health = getattr(self.cloud, "health", None)
             if health is not None and not health.allow():
                 continue
@@ -132,7 +156,6 @@ class HybridRuntime:
                                                                 "route_reason": decision.reason})
         source = decision.route
         monitor = self.monitor_factory() if decision.monitor and self.monitor_factory is not None else None
-        failed_over = False
         while True:
             backend = self.cloud if source == "cloud" else self.local
             part = copy.copy(request)
@@ -140,8 +163,9 @@ class HybridRuntime:
             part.params.max_tokens = request.params.max_tokens - st.generated
             part.prefix_token_ids = self._ids_for(request, st, source) if st.text else request.prefix_token_ids
             part.confidence = source == "local" and monitor is not None
-            probe = (asyncio.get_running_loop().create_task(self._probe())
-                     if source == "local" and failed_over and self.hand_back != "never" else None)
+            delay = self.handback_delay(st.num_handbacks)
+            probe = (asyncio.get_running_loop().create_task(self._probe(delay))
+                     if source == "local" and st.may_hand_back else None)
             failure, switch, first, n = None, None, None, 0
             try:
                 async with contextlib.aclosing(backend.stream(part, prefix=request.prefix + st.text)) as events:
@@ -173,7 +197,10 @@ class HybridRuntime:
                                     monitor, switch = None, f"escalation: {why}"
                                     break
                             if probe is not None and probe.done() and self._worth_handing_back(st):
-                                switch = (f"hand-back: the cloud answers again (heartbeat {probe.result():.1f} ms)")
+                                st.num_handbacks += 1
+                                switch = (f"hand-back {st.num_handbacks} of at most {self.max_handbacks}: the cloud "
+                                          f"answers again (heartbeat {probe.result():.1f} ms, "
+                                          f"probed every {delay:g} s)")
                                 break
                         elif ev.type == "finish":
                             st.usage[source] = _add(st.usage.get(source), ev.usage or Usage())
@@ -201,8 +228,7 @@ class HybridRuntime:
                 yield failure
                 return
             else:
-                failed_over = True
-                target, reason = "local", f"failover: cloud {failure.info.get('code', 'error')}: {failure.error}"
+                target, reason = "local", self._fail_over(st, failure)
             if target == "cloud" and hasattr(self.cloud, "connect"):
                 with contextlib.suppress(Exception):  # its stream reports a failure; here we only need the welcome
                     await self.cloud.connect()
@@ -211,6 +237,20 @@ class HybridRuntime:
             st.handoffs.append(h)
             yield StreamEvent("handoff", seq=st.seq, source=target, info={**h, "t": time.perf_counter() - t0})
             source = target
+
+    def _fail_over(self, st: _State, failure: StreamEvent) -> str:
+        """Record why the answer leaves the cloud and whether a heartbeat may bring it back; returns the reason."""
+        code = failure.info.get("code", "error")
+        reason = f"failover: cloud {code}: {failure.error}"
+        st.may_hand_back = False
+        if self.hand_back == "never":
+            return reason
+        if code not in TRANSPORT_CODES:
+            return reason + "; no hand-back in this answer (a heartbeat does not clear an error from the cloud)"
+        if st.num_handbacks >= self.max_handbacks:
+            return reason + f"; no hand-back in this answer (limit of {self.max_handbacks} reached)"
+        st.may_hand_back = True
+        return reason
 
     def _worth_handing_back(self, st: _State) -> bool:
         if self.hand_back == "always":

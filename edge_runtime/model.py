@@ -166,6 +166,8 @@ class Transformer(nn.Module):
         table = self.identity_table if block_table is None else block_table
         if num_tokens == 1 and self.fused is not None:
             return self.fused.step(int(token_ids[0]), pos0, table)
+        if self.fused is not None and self.fused.exact_prefill():
+            return self.fused.prefill(token_ids.tolist(), pos0, table, all_logits)
         meta = AttentionMetadata.build(table, pos0, num_tokens, self.kv.block_size, self.device)
         x = self.embedding(token_ids)
         cos = self.cos[pos0:pos0 + num_tokens].unsqueeze(1)  # [T, 1, hd]

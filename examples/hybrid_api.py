@@ -27,7 +27,7 @@ def main() -> int:
         client = openai.OpenAI(base_url=url + "/v1", api_key="sk-local")
         model = client.models.list().data[0].id
         print(f"[gateway {url}, model {model}, cloud {worker.url}]")
-        for route, question in (("local", "What is the capital of France?"), ("cloud", "Name three planets.")):
+        for route, question in (("local", "Name the capital of France."), ("cloud", "Name three planets.")):
             r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
                                                max_tokens=32, temperature=0, extra_body={"route": route})
             info = r.model_extra["x_hybrid"]

@@ -162,6 +162,33 @@ static inline const float* kv_row(const void* pool, const float* scales, int kin
     return buf;
 }
 
+/* exp(x) from IEEE multiplies and adds only (no libm, no FMA: the library is built with
+ * -ffp-contract=off), so every CPU and OS rounds it alike, and gcc vectorizes the loops that call it.
+ * x = n ln2 + r (n = round(x / ln2) by the 1.5 * 2^23 trick, ln2 split in two so n ln2 is exact),
+ * exp(r) by a degree-6 Taylor polynomial in Horner form (|r| <= ln2 / 2: relative error ~2e-7), times
+ * 2^n built in the exponent bits. x < -87.3 gives 0, x > 88.7 gives +inf. */
+static inline float exp_ieee(float x) {
+    const float magic = 12582912.0f;
+    x = x < -87.33654f ? -87.33654f : x > 88.72283f ? 88.72283f : x;
+    const float nf = (x * 1.44269504f + magic) - magic;
+    const float r = (x - nf * 0.693145752f) - nf * 1.42860677e-06f;
+    float p = 1.38888889e-3f;
+    p = p * r + 8.33333333e-3f;
+    p = p * r + 4.16666667e-2f;
+    p = p * r + 1.66666667e-1f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t n = (int32_t)nf;
+    /* 2^n as two factors, so n = 128 (x near 88.7) still builds from valid exponents */
+    const int32_t n1 = n >> 1, n2 = n - n1;
+    uint32_t b1 = (uint32_t)(n1 + 127) << 23, b2 = (uint32_t)(n2 + 127) << 23;
+    float s1, s2;
+    memcpy(&s1, &b1, 4);
+    memcpy(&s2, &b2, 4);
+    return p * s1 * s2;
+}
+
 static inline float dot(const float* a, const float* b, int n) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};  /* 8 lanes: lets gcc vectorize the dot product */
     int i = 0;
@@ -183,7 +210,8 @@ static inline float dot(const float* a, const float* b, int n) {
 enum { STORE = 1, ATTEND = 2 };
 
 static void rope_attend(const float* qkv, int nh, int nkv, int hd, const float* cos_row, const float* sin_row,
-                        const paged_kv* kv, int pos, float scale, float* out, float* scores, int phase) {
+                        const paged_kv* kv, int pos, float scale, float* out, float* scores, int phase, int j0,
+                        int j1) {
     const int half = hd / 2, group = nh / nkv, bs = kv->bs, n = pos + 1;
     const float* v = qkv + (nh + nkv) * hd;
     const size_t wslot = (size_t)kv->table[pos / bs] * bs + pos % bs;
@@ -198,7 +226,8 @@ static void rope_attend(const float* qkv, int nh, int nkv, int hd, const float* 
         kv_store(kv->v, kv->vs, kv->kind, kv->rotated, wslot, nkv, j, hd, v + j * hd);
     }
     if (!(phase & ATTEND)) return;
-    for (int h = 0; h < nh; h++) {  /* queries with RoPE, scaled, in the stored basis */
+    const int h0 = j0 * group, h1 = j1 * group; /* ATTEND: the query heads of KV heads j0 .. j1 - 1 */
+    for (int h = h0; h < h1; h++) {  /* queries with RoPE, scaled, in the stored basis */
         const float* qs = qkv + h * hd;
         float* qh = q + h * hd;
         for (int i = 0; i < half; i++) {
@@ -211,25 +240,26 @@ static void rope_attend(const float* qkv, int nh, int nkv, int hd, const float* 
         const size_t base = (size_t)kv->table[b] * bs;
         const int cnt = n - s0 < bs ? n - s0 : bs;
         for (int t = 0; t < cnt; t++)
-            for (int j = 0; j < nkv; j++) {
+            for (int j = j0; j < j1; j++) {
                 const float* kr = kv_row(kv->k, kv->ks, kv->kind, base + t, nkv, j, hd, row);
                 for (int g = 0; g < group; g++) scores[(j * group + g) * n + s0 + t] = dot(q + (j * group + g) * hd, kr, hd);
             }
     }
     float inv[1024];
-    for (int h = 0; h < nh; h++) {
+    for (int h = h0; h < h1; h++) {
         float* sc = scores + (size_t)h * n;
         float mx = -INFINITY, sum = 0.0f;
         for (int s = 0; s < n; s++) mx = sc[s] > mx ? sc[s] : mx;
-        for (int s = 0; s < n; s++) { sc[s] = expf(sc[s] - mx); sum += sc[s]; }
+        for (int s = 0; s < n; s++) sc[s] = exp_ieee(sc[s] - mx);
+        for (int s = 0; s < n; s++) sum += sc[s];
         inv[h] = 1.0f / sum;
     }
-    for (int i = 0; i < nh * hd; i++) out[i] = 0.0f;
+    for (int i = h0 * hd; i < h1 * hd; i++) out[i] = 0.0f;
     for (int s0 = 0, b = 0; s0 < n; s0 += bs, b++) {  /* probabilities times V */
         const size_t base = (size_t)kv->table[b] * bs;
         const int cnt = n - s0 < bs ? n - s0 : bs;
         for (int t = 0; t < cnt; t++)
-            for (int j = 0; j < nkv; j++) {
+            for (int j = j0; j < j1; j++) {
                 const float* vr = kv_row(kv->v, kv->vs, kv->kind, base + t, nkv, j, hd, row);
                 for (int g = 0; g < group; g++) {
                     const int h = j * group + g;
@@ -240,19 +270,19 @@ static void rope_attend(const float* qkv, int nh, int nkv, int hd, const float* 
             }
     }
     if (kv->rotated)
-        for (int h = 0; h < nh; h++) hadamard_rotate(out + h * hd, hd);  /* back to the model's basis */
+        for (int h = h0; h < h1; h++) hadamard_rotate(out + h * hd, hd);  /* back to the model's basis */
 }
 
 void decode_rope_attend(const float* qkv, int nh, int nkv, int hd, const float* cos_row, const float* sin_row,
                         const paged_kv* kv, int pos, float scale, float* out, float* scores) {
-    rope_attend(qkv, nh, nkv, hd, cos_row, sin_row, kv, pos, scale, out, scores, STORE | ATTEND);
+    rope_attend(qkv, nh, nkv, hd, cos_row, sin_row, kv, pos, scale, out, scores, STORE | ATTEND, 0, nkv);
 }
 
 /* gate_up: [2 * hidden] = [gate | up]; out[i] = silu(gate[i]) * up[i]. */
 void decode_silu_mul(const float* gate_up, int hidden, float* out) {
     for (int i = 0; i < hidden; i++) {
         const float g = gate_up[i];
-        out[i] = g / (1.0f + expf(-g)) * gate_up[hidden + i];
+        out[i] = g / (1.0f + exp_ieee(-g)) * gate_up[hidden + i];
     }
 }
 
@@ -264,11 +294,31 @@ extern int q4_1_gemv(const uint8_t*, int, int, const float*, int, float*, int);
 extern int q8_0_gemv(const uint8_t*, int, int, const float*, int, float*, int);
 extern int q4_k_gemv(const uint8_t*, int, int, const float*, int, float*, int);
 
-static gemv_fn gemv_of(int kind) {
+extern int qgemm(const uint8_t*, int, int, int, const float*, int, float*, int);
+extern int qgemm_packed(const uint8_t*, int, int, int, const float*, int, float*, int);
+#define QGEMM_ENTRY(name, fn, code) \
+    static int name(const uint8_t* w, int N, int K, const float* x, int M, float* y, int nt) { \
+        return fn(w, code, N, K, x, M, y, nt > 0 ? nt : 1);                                     \
+    }
+QGEMM_ENTRY(q4_0_qgemm, qgemm, 0)
+QGEMM_ENTRY(q4_1_qgemm, qgemm, 1)
+QGEMM_ENTRY(q8_0_qgemm, qgemm, 8)
+QGEMM_ENTRY(q4_k_qgemm, qgemm, 4)
+QGEMM_ENTRY(q4_0_qgemm_packed, qgemm_packed, 0)
+QGEMM_ENTRY(q4_1_qgemm_packed, qgemm_packed, 1)
+QGEMM_ENTRY(q8_0_qgemm_packed, qgemm_packed, 8)
+
+/* arith 0: fp32 activations (cpu_gemv.c, the exact path); 1: 8-bit activations (cpu_qgemm.c). A kind code
+ * plus 16 marks a weight in cpu_qgemm's packed layout (arith 1 only). */
+static gemv_fn gemv_of(int kind, int arith) {
+    if (arith && kind >= 16)
+        return kind == 16 ? q4_0_qgemm_packed : kind == 17 ? q4_1_qgemm_packed : kind == 24 ? q8_0_qgemm_packed : 0;
+    if (arith)
+        return kind == 0 ? q4_0_qgemm : kind == 1 ? q4_1_qgemm : kind == 8 ? q8_0_qgemm : kind == 4 ? q4_k_qgemm : 0;
     return kind == 0 ? q4_0_gemv : kind == 1 ? q4_1_gemv : kind == 8 ? q8_0_gemv : kind == 4 ? q4_k_gemv : 0;
 }
 
-/* dims: dim, nh, nkv, hd, hidden, max_pos, num_threads, block_size, kv_kind, rotated. Per l, w[4 l + j]
+/* dims: dim, nh, nkv, hd, hidden, max_pos, num_threads, block_size, kv_kind, rotated, arith. Per l, w[4 l + j]
  * and kinds[4 l + j] for j = qkv, o, gate_up, down (raw GGUF rows, kind codes as gguf_dequantize's);
  * norms[2 l + j] for j = attn, ffn; kv_pools[4 l + j] for j = k pool, v pool, k scales, v scales
  * (scales NULL unless int8). M tokens (M <= 8), each of its own sequence: token m is at position
@@ -283,7 +333,7 @@ static int layers(int n_layers, int M, const int* dims, float eps, float scale, 
                   int table_stride, const int* pos, const float** cos_rows, const float** sin_rows,
                   float* x, float* scratch, int one_sequence) {
     const int dim = dims[0], nh = dims[1], nkv = dims[2], hd = dims[3], hidden = dims[4];
-    const int max_pos = dims[5], nt = dims[6];
+    const int max_pos = dims[5], nt = dims[6], arith = dims[10];
     const int n_qkv = (nh + 2 * nkv) * hd;
     const size_t n_scores = (size_t)nh * (max_pos + 1);
     float* normed = scratch;
@@ -301,26 +351,32 @@ static int layers(int n_layers, int M, const int* dims, float eps, float scale, 
         for (int m = 0; m < M; m++)
             decode_add_rmsnorm(x + (size_t)m * dim, l ? down + (size_t)m * dim : 0, norms[2 * l], dim, eps,
                                normed + (size_t)m * dim);
-        if ((rc = gemv_of(lk[0])(lw[0], n_qkv, dim, normed, M, qkv, nt))) return rc;
-        for (int m = 0; m < M && one_sequence; m++) {  /* every row's k/v first: later rows attend to them */
-            paged_kv kv = {kv_pools[4 * l], kv_pools[4 * l + 1], (float*)kv_pools[4 * l + 2],
-                           (float*)kv_pools[4 * l + 3], tables + (size_t)m * table_stride, dims[7], dims[8], dims[9]};
-            rope_attend(qkv + (size_t)m * n_qkv, nh, nkv, hd, cos_rows[m], sin_rows[m], &kv, pos[m], scale, 0, 0, STORE);
-        }
-#pragma omp parallel for num_threads(nt > 1 && M > 1 ? nt : 1) schedule(dynamic, 1)
+        if ((rc = gemv_of(lk[0], arith)(lw[0], n_qkv, dim, normed, M, qkv, nt))) return rc;
+        /* every row's k/v first (for one sequence, later rows attend to them), then attention split over
+         * (row, KV head) units across the threads: each unit's arithmetic is the same however it is split */
         for (int m = 0; m < M; m++) {
             paged_kv kv = {kv_pools[4 * l], kv_pools[4 * l + 1], (float*)kv_pools[4 * l + 2],
-                           (float*)kv_pools[4 * l + 3], tables + (size_t)m * table_stride, dims[7], dims[8], dims[9]};
-            rope_attend(qkv + (size_t)m * n_qkv, nh, nkv, hd, cos_rows[m], sin_rows[m], &kv, pos[m], scale,
-                        attn + (size_t)m * nh * hd, scores + (size_t)m * n_scores, one_sequence ? ATTEND : STORE | ATTEND);
+                           (float*)kv_pools[4 * l + 3], tables + (one_sequence ? 0 : (size_t)m * table_stride),
+                           dims[7], dims[8], dims[9]};
+            rope_attend(qkv + (size_t)m * n_qkv, nh, nkv, hd, cos_rows[m], sin_rows[m], &kv, pos[m], scale, 0, 0, STORE,
+                        0, nkv);
         }
-        if ((rc = gemv_of(lk[1])(lw[1], dim, nh * hd, attn, M, o, nt))) return rc;
+#pragma omp parallel for num_threads(nt > 1 && M * nkv > 1 ? nt : 1) schedule(dynamic, 1)
+        for (int u = 0; u < M * nkv; u++) {
+            const int m = u / nkv, j = u % nkv;
+            paged_kv kv = {kv_pools[4 * l], kv_pools[4 * l + 1], (float*)kv_pools[4 * l + 2],
+                           (float*)kv_pools[4 * l + 3], tables + (one_sequence ? 0 : (size_t)m * table_stride),
+                           dims[7], dims[8], dims[9]};
+            rope_attend(qkv + (size_t)m * n_qkv, nh, nkv, hd, cos_rows[m], sin_rows[m], &kv, pos[m], scale,
+                        attn + (size_t)m * nh * hd, scores + (size_t)m * n_scores, ATTEND, j, j + 1);
+        }
+        if ((rc = gemv_of(lk[1], arith)(lw[1], dim, nh * hd, attn, M, o, nt))) return rc;
         for (int m = 0; m < M; m++)
             decode_add_rmsnorm(x + (size_t)m * dim, o + (size_t)m * dim, norms[2 * l + 1], dim, eps,
                                normed + (size_t)m * dim);
-        if ((rc = gemv_of(lk[2])(lw[2], 2 * hidden, dim, normed, M, gu, nt))) return rc;
+        if ((rc = gemv_of(lk[2], arith)(lw[2], 2 * hidden, dim, normed, M, gu, nt))) return rc;
         for (int m = 0; m < M; m++) decode_silu_mul(gu + (size_t)m * 2 * hidden, hidden, act + (size_t)m * hidden);
-        if ((rc = gemv_of(lk[3])(lw[3], dim, hidden, act, M, down, nt))) return rc;
+        if ((rc = gemv_of(lk[3], arith)(lw[3], dim, hidden, act, M, down, nt))) return rc;
     }
     for (size_t i = 0; i < (size_t)M * dim; i++) x[i] += down[i];
     return 0;

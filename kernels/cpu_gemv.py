@@ -7,7 +7,11 @@ the torch op `torch.ops.edge_runtime.gguf_gemv(weight, x, kind, out_features)` (
 fake kernel), so a `torch.compile(fullgraph=True)` graph can call it. `reference_gemv` is
 the plain numpy version the tests compare against.
 
-Build: gcc -O3 -march=native -fopenmp into `compile_cache.cache_root()/cpu_gemv/`, named
+With `set_arith("int8")` (the default) the op and the callers in gguf_linear/fused_decode use
+cpu_qgemm's integer kernels instead; `set_arith("exact")` keeps this fp32-activation arithmetic.
+
+Build: gcc -O3 -mavx2 -mfma -mf16c -ffp-contract=off -fopenmp, plus cpu_qgemm.c once per ISA
+variant, into `compile_cache.cache_root()/cpu_gemv/`, named
 after a hash of the C source, the gcc version, the flags and the CPU's feature flags;
 written to a temp name and renamed into place, so concurrent processes are safe. The
 library links libgomp by soname and is loaded after torch, so it shares torch's bundled
@@ -33,13 +37,17 @@ import torch
 
 KINDS = ("q4_0", "q4_1", "q8_0", "q4_k")
 BLOCK = {"q4_0": (32, 18), "q4_1": (32, 20), "q8_0": (32, 34), "q4_k": (256, 144)}  # (values, bytes) per block
-MAX_M = 8
+MAX_M = 8  # the fp32 GEMV's rows per call
+MAX_M_INT8 = 16  # rows per fused decode call with the integer kernels (cpu_qgemm takes any M)
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SOURCE = os.path.join(_HERE, "cpu_gemv.c")
 # one library: GEMV, dequantization, and the fused small ops of a decode step
 _SOURCES = [_SOURCE, os.path.join(_HERE, "cpu_dequant.c"), os.path.join(_HERE, "cpu_decode.c")]
-FLAGS = ["-O3", "-march=native", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
-SCALAR_FLAGS = ["-O3", "-march=x86-64", "-fopenmp", "-shared", "-fPIC"]  # no AVX2: the scalar fallback
+# NOTE: explicit ISA flags rather than -march=native, and no FMA contraction, so every x86-64 CPU
+# with AVX2 runs the same instructions and rounds the same way (a hand-off between two machines
+# continues the same greedy answer).
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+SCALAR_FLAGS = ["-O3", "-march=x86-64", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]  # no AVX2: the scalar fallback
 # (w uint8*, N, K, x float*, M, y float*, num_threads) -> int rc
 _ARGTYPES = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
 
@@ -55,34 +63,65 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+_QG_SOURCE = os.path.join(_HERE, "cpu_qgemm.c")
+_QG_DISPATCH = os.path.join(_HERE, "cpu_qgemm_dispatch.c")
+_QG_COMMON = ["-O3", "-fPIC", "-fopenmp", "-ffp-contract=off"]
+# cpu_qgemm.c once per variant: (name, flags). One library serves every CPU of the architecture;
+# cpu_qgemm_dispatch.c picks the variant at run time.
+QG_VARIANTS = {
+    "x86_64": [("portable", []),
+               ("avx2", ["-DQG_AVX2", "-mavx2", "-mfma", "-mf16c"]),
+               ("avxvnni", ["-DQG_AVXVNNI", "-mavx2", "-mfma", "-mf16c", "-mavxvnni"]),
+               ("avx512vnni", ["-DQG_AVX512VNNI", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw",
+                               "-mavx512vl", "-mavx512vnni"])],
+    "aarch64": [("portable", []), ("neon", ["-DQG_NEON", "-march=armv8.2-a+dotprod"])],
+}
+
+
+def qgemm_compile_commands(cc: str, arch: str, out_dir: str) -> tuple[list[list[str]], list[str]]:
+    """gcc commands that compile cpu_qgemm.c's variants and its dispatcher for `arch`, and the objects."""
+    cmds, objs = [], []
+    for name, flags in QG_VARIANTS[arch]:
+        obj = os.path.join(out_dir, f"qgemm_{name}.o")
+        cmds.append([cc, *_QG_COMMON, f"-DQG_NAME={name}", *flags, "-c", _QG_SOURCE, "-o", obj])
+        objs.append(obj)
+    obj = os.path.join(out_dir, "qgemm_dispatch.o")
+    cmds.append([cc, *_QG_COMMON, "-c", _QG_DISPATCH, "-o", obj])
+    return cmds, objs + [obj]
+
+
+def _run(cmd: list[str]) -> None:
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if res.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-4000:]}")
+
+
 def build(flags: list[str] | None = None) -> str:
-    """Compiles cpu_gemv.c unless cached; returns the shared library's path. Raises on failure."""
+    """Compiles the kernels unless cached; returns the shared library's path. Raises on failure."""
     from edge_runtime.compile_cache import cache_root
 
     flags = list(FLAGS if flags is None else flags)
     source = b""
-    for src in _SOURCES:
+    for src in [*_SOURCES, _QG_SOURCE, _QG_DISPATCH]:
         with open(src, "rb") as f:
             source += f.read()
     gcc = subprocess.run(["gcc", "--version"], capture_output=True, text=True, check=True, timeout=60)
     key = hashlib.sha256()
-    for part in (source, gcc.stdout.splitlines()[0], " ".join(flags), platform.machine(), " ".join(sorted(_cpu_flags()))):
+    for part in (source, gcc.stdout.splitlines()[0], " ".join(flags), repr(QG_VARIANTS), platform.machine(),
+                 " ".join(sorted(_cpu_flags()))):
         key.update((part if isinstance(part, bytes) else part.encode()) + b"\0")
     folder = os.path.join(cache_root(), "cpu_gemv")
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"cpu_gemv-{key.hexdigest()[:16]}.so")
     if os.path.exists(path):
         return path
-    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=folder)
-    os.close(fd)
-    try:
-        res = subprocess.run(["gcc", *flags, *_SOURCES, "-lm", "-o", tmp], capture_output=True, text=True, timeout=300)
-        if res.returncode:
-            raise RuntimeError(f"gcc failed on {_SOURCE}:\n{res.stderr[-4000:]}")
-        os.replace(tmp, path)  # atomic: a concurrent build of the same key just overwrites an identical file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with tempfile.TemporaryDirectory(prefix=".build-", dir=folder) as tmp:
+        cmds, objs = qgemm_compile_commands("gcc", "x86_64", tmp)
+        for cmd in cmds:
+            _run(cmd)
+        out = os.path.join(tmp, "lib.so")
+        _run(["gcc", *flags, *_SOURCES, *objs, "-lm", "-o", out])
+        os.replace(out, path)  # atomic: a concurrent build of the same key just overwrites an identical file
     return path
 
 
@@ -154,6 +193,31 @@ def load_variant(flags: list[str]) -> _Library:
 
 
 _num_threads = 0  # 0: torch.get_num_threads() at call time
+ARITHS = ("int8", "exact")
+_arith = "int8"
+
+
+def set_arith(name: str) -> None:
+    """The arithmetic of every later GEMV: 'int8' (8-bit activations, integer dot products: cpu_qgemm)
+    or 'exact' (fp32 activations: this module's GEMV, dequantize + GEMM for long prompts)."""
+    global _arith
+    if name not in ARITHS:
+        raise ValueError(f"unknown arithmetic {name!r}; choose one of {', '.join(ARITHS)}")
+    _arith = name
+
+
+def arith() -> str:
+    return _arith
+
+
+def max_rows() -> int:
+    """The most rows one fused decode call takes: 16 with the integer kernels, MAX_M with fp32 GEMVs."""
+    return MAX_M_INT8 if _arith == "int8" else MAX_M
+
+
+def arith_code() -> int:
+    """The arith code of cpu_decode.c's dims[10]: 1 for int8, 0 for exact."""
+    return int(_arith == "int8")
 
 
 def set_num_threads(n: int) -> None:
@@ -229,7 +293,15 @@ def dequantize(kind: str, weight: torch.Tensor, out_features: int, in_features: 
 # GEMVs. Inference only: no autograd formula is registered.
 _OPS = torch.library.Library("edge_runtime", "FRAGMENT")
 _OPS.define("gguf_gemv(Tensor weight, Tensor x, str kind, int out_features) -> Tensor")
-_OPS.impl("gguf_gemv", lambda weight, x, kind, out_features: gemv(kind, weight, x, out_features), "CPU")
+def _gemv_op(weight, x, kind, out_features):
+    if _arith == "int8":
+        from . import cpu_qgemm
+
+        return cpu_qgemm.qgemm(kind, weight, x, out_features)
+    return gemv(kind, weight, x, out_features)
+
+
+_OPS.impl("gguf_gemv", _gemv_op, "CPU")
 
 
 @torch.library.register_fake("edge_runtime::gguf_gemv")

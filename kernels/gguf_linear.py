@@ -2,9 +2,11 @@
 
 `GGUFLinear` stores the weight exactly as the file does (raw Q4_0 / Q4_1 / Q8_0 / Q4_K
 rows, rows of several tensors may be concatenated), so nothing is requantized or
-rounded: decode (up to `cpu_gemv.MAX_M` tokens) runs `cpu_gemv`'s fp32-activation GEMV,
-and prefill dequantizes the rows to fp32 for that call (`cpu_gemv.dequantize`) and runs
-one dense GEMM. CPU only: `.to()` another device is refused; the loader uses
+rounded. With `cpu_gemv.arith() == "int8"` (the default) every call, decode and prefill
+alike, runs `cpu_qgemm`'s integer GEMM (8-bit activations), so a row's result does not
+depend on how many rows came with it. With "exact", decode (up to `cpu_gemv.MAX_M` tokens)
+runs `cpu_gemv`'s fp32-activation GEMV, and prefill dequantizes the rows to fp32 for that
+call (`cpu_gemv.dequantize`) and runs one dense GEMM. CPU only: `.to()` another device is refused; the loader uses
 `quant_linear` (torch's int4/int8 kernels) there.
 
 It knows nothing about models: callers decide which rows to fuse.
@@ -17,7 +19,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from . import cpu_gemv
+from . import cpu_gemv, cpu_qgemm
 
 KIND_OF = {GGMLQuantizationType.Q4_0: "q4_0", GGMLQuantizationType.Q4_1: "q4_1",
            GGMLQuantizationType.Q8_0: "q8_0", GGMLQuantizationType.Q4_K: "q4_k"}
@@ -38,6 +40,7 @@ class GGUFLinear(nn.Module):
         assert rows.shape[1] == self.in_features // values * nbytes, (rows.shape, shape)
         self.register_buffer("weight", torch.from_numpy(rows))  # uint8 [N, row_bytes], as in the file
         self.mode = "gguf"
+        self._packed = None  # packed_weight()
         # Up to here: the GEMV in groups of MAX_M rows (each row computed on its own, so a token's result
         # does not depend on what it is batched with). From here on: dequantize + one dense GEMM, which
         # measured faster than 8 GEMV passes over the weights here.
@@ -53,6 +56,13 @@ class GGUFLinear(nn.Module):
                                "for other devices")
         return self
 
+    def packed_weight(self) -> torch.Tensor:
+        """The weight in cpu_qgemm's packed layout (rows of 8 as SIMD lanes), made on first use and kept
+        beside the GGUF rows (the exact path and the portable kernels read those)."""
+        if self._packed is None:
+            self._packed = cpu_qgemm.repack(self.kind, self.weight, self.out_features, self.in_features)
+        return self._packed
+
     def dequantized_weight(self) -> torch.Tensor:
         """fp32 [N, K], exactly the file's values."""
         return cpu_gemv.dequantize(self.kind, self.weight, self.out_features, self.in_features)
@@ -60,7 +70,14 @@ class GGUFLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # [num_tokens, in_features]
-        if x2.shape[0] < self.dense_min_tokens:
+        if cpu_gemv.arith() == "int8":  # any number of rows: the same integer arithmetic per row
+            if torch.compiler.is_compiling():
+                y = torch.ops.edge_runtime.gguf_gemv(self.weight, x2.float().contiguous(), self.kind, self.out_features)
+            elif cpu_qgemm.packed_supported(self.kind):
+                y = cpu_qgemm.qgemm_packed(self.kind, self.packed_weight(), x2, self.out_features)
+            else:
+                y = cpu_qgemm.qgemm(self.kind, self.weight, x2, self.out_features)
+        elif x2.shape[0] < self.dense_min_tokens:
             if torch.compiler.is_compiling():
                 y = torch.ops.edge_runtime.gguf_gemv(self.weight, x2.float().contiguous(), self.kind, self.out_features)
             else:  # eager: straight to the C function; shapes were checked once, at construction

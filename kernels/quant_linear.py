@@ -26,7 +26,11 @@ worth it from ~128-256 tokens under torch.compile, not for the 49k-row head).
 
 Devices: `.to(device)` moves a layer. The int4 codes are repacked for the new
 device's kernel (CPU: `_weight_int4pack_mm_for_cpu`; CUDA: `_weight_int4pack_mm`,
-used only if a self-check at pack time passes). On other devices, and for
+used only if a self-check at pack time passes). The CPU kernel's byte layout is
+ATen's choice at run time, by CPU capability (AVX2, AVX-512, none): we write the
+one of `CPU_LAYOUTS` that matches torch's packer on probes (checked once per
+process), else use torch's packer and no prefill switch; unpickled layers packed
+for another layout are repacked. On other devices, and for
 "int8" off CPU, the layer keeps its compact storage and dequantizes the
 weight inside forward. Dtype casts (`.half()`, `.to(torch.float32)`) never change
 the storage: it is fixed by the mode.
@@ -37,6 +41,7 @@ fuse and which mode each gets. Block decoding lives in `gguf_blocks`.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -60,25 +65,72 @@ def _numpy_to_bf16(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(rounded).view(torch.bfloat16)
 
 
-def _pack_int4_cpu_direct(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 codes [N, K] (N % 32 == 0) -> the layout of `_convert_weight_to_int4pack_for_cpu`.
+class Int4CpuLayout(NamedTuple):
+    """A byte layout of torch's CPU int4 kernel: `_convert_weight_to_int4pack_for_cpu` writes, and
+    `_weight_int4pack_mm_for_cpu` reads, the one of the CPU capability ATen dispatches to at run
+    time (AVX2, AVX-512, none: see `torch.backends.cpu.get_cpu_capability`, ATEN_CPU_CAPABILITY).
 
-    Per 32 rows, K x 16 bytes; byte (k, i) holds row i in its low nibble and row i + 16 in
-    its high nibble. Same bytes as the aten op (checked once per process, and in the tests),
-    without the op's int32 input: packing a whole model stays well under a second.
+    Packed uint8 [N, K/2]: rows in blocks of `block_n`, the last one possibly shorter; block i
+    (nb rows) fills the next nb * K/2 bytes, K-major: byte (k, j) holds two rows' codes at column
+    k, the first in its low nibble.
+    """
+
+    block_n: int  # 4 x the floats in one vector register: 32 (AVX2, non-vectorized), 64 (AVX-512)
+    split: bool  # a full block's byte j pairs rows j and j + block_n/2 (the AVX2 and AVX-512
+    #              kernels); otherwise, and in a shorter last block, rows 2j and 2j + 1
+
+
+# ATen's AVX2, AVX-512 and non-vectorized kernels (the last: also 512-bit vectors without AVX-512 code).
+CPU_LAYOUTS = (Int4CpuLayout(32, True), Int4CpuLayout(64, True), Int4CpuLayout(32, False), Int4CpuLayout(64, False))
+
+
+def _segments(num_rows: int, layout: Int4CpuLayout) -> list[tuple[int, int, int, bool]]:
+    """(first row, number of blocks, rows per block, split) of the full blocks and the shorter last one."""
+    b, tail = layout.block_n, num_rows % layout.block_n
+    segments = [(0, num_rows // b, b, layout.split)] if num_rows >= b else []
+    return segments + ([(num_rows - tail, 1, tail, False)] if tail else [])
+
+
+def _pack_int4_cpu_direct(codes: np.ndarray, layout: Int4CpuLayout) -> torch.Tensor:
+    """uint8 codes [N, K] (0..15, N % 16 == 0) -> packed uint8 [N, K/2] in `layout`.
+
+    The same bytes as `_convert_weight_to_int4pack_for_cpu` when `layout` is its layout (checked
+    once per process), without the op's int32 input: the default model packs in ~0.3 s, not 1.5-2.5 s.
     """
     n, k = codes.shape
-    rows = codes.numpy().reshape(n // 32, 2, 16, k)  # numpy: single-threaded, cheap here
-    pairs = np.empty((n // 32, k, 16), dtype=np.uint8)  # [N/32, K, 16]
-    np.bitwise_or(rows[:, 0].transpose(0, 2, 1), rows[:, 1].transpose(0, 2, 1) << 4, out=pairs)
-    return torch.from_numpy(pairs.reshape(n, k // 2))
+    packed = np.empty((n, k // 2), dtype=np.uint8)
+    flat = packed.reshape(-1)
+    for row, num_blocks, nb, split in _segments(n, layout):  # numpy: single-threaded, cheap here
+        rows = codes[row:row + num_blocks * nb].reshape(num_blocks, nb, k)
+        # lo, hi: [blocks, nb/2, K]
+        lo, hi = (rows[:, :nb // 2], rows[:, nb // 2:]) if split else (rows[:, 0::2], rows[:, 1::2])
+        dst = flat[row * k // 2:(row + num_blocks * nb) * k // 2].reshape(num_blocks, k, nb // 2)
+        np.bitwise_or(lo.transpose(0, 2, 1), hi.transpose(0, 2, 1) << 4, out=dst)
+    return torch.from_numpy(packed)
+
+
+def _unpack_int4_cpu(packed: torch.Tensor, num_rows: int, num_cols: int, layout: Int4CpuLayout) -> torch.Tensor:
+    """The inverse of `_pack_int4_cpu_direct`: packed uint8 [N, K/2] -> codes uint8 [N, K]."""
+    flat, parts = packed.reshape(-1), []
+    for row, num_blocks, nb, split in _segments(num_rows, layout):
+        blocks = flat[row * num_cols // 2:(row + num_blocks * nb) * num_cols // 2].view(num_blocks, num_cols, nb // 2)
+        lo, hi = blocks & 15, blocks >> 4
+        codes = torch.cat([lo, hi], dim=2) if split else torch.stack([lo, hi], dim=3)  # [blocks, K, nb(/2, 2)]
+        parts.append(codes.reshape(num_blocks, num_cols, nb).transpose(1, 2).reshape(num_blocks * nb, num_cols))
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 @functools.cache
-def _direct_cpu_packing_matches_aten() -> bool:
-    codes = torch.randint(0, 16, (128, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
-    want = _aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-    return torch.equal(_pack_int4_cpu_direct(codes.to(torch.uint8)), want)
+def _cpu_layout() -> Int4CpuLayout | str:
+    """The layout of torch's CPU int4 kernel in this process: the one of `CPU_LAYOUTS` whose
+    packing equals aten's on probe matrices (full and shorter blocks), else a tag naming the build."""
+    gen = torch.Generator().manual_seed(0)
+    probes = [torch.randint(0, 16, (n, 96), dtype=torch.int32, generator=gen) for n in (16, 48, 96, 176)]
+    wants = [_aten._convert_weight_to_int4pack_for_cpu(p, 1) for p in probes]
+    for layout in CPU_LAYOUTS:
+        if all(torch.equal(_pack_int4_cpu_direct(p.to(torch.uint8).numpy(), layout), w) for p, w in zip(probes, wants)):
+            return layout
+    return f"aten {torch.__version__} {torch.backends.cpu.get_cpu_capability()}"
 
 
 def _cuda_inner_k_tiles(in_features: int, out_features: int) -> int | None:
@@ -112,7 +164,8 @@ class QuantLinear(nn.Module):
         self.register_buffer("weight", weight)
         self.register_buffer("scales", scales)
         self.kernel = "dense"
-        self.direct_layout = False  # int4_cpu weight in the layout `_pack_int4_cpu_direct` writes
+        # int4_cpu: the layout of `weight`, an Int4CpuLayout (we can unpack it), else aten's tag.
+        self.cpu_layout: Int4CpuLayout | str | None = None
         # Prefill switch: from this many tokens on, CPU int layers dequantize to fp32 and use
         # one dense GEMM (faster for large batches, see the module docstring); None: never.
         self.dense_min_tokens: int | None = None
@@ -133,14 +186,14 @@ class QuantLinear(nn.Module):
     def _pack_int4(self, codes: torch.Tensor) -> None:
         """Stores `codes` (uint8 [N, K4], 0..15) in the layout of this device's int4 kernel."""
         device, k4 = codes.device, codes.shape[1]
-        self.direct_layout = False
+        self.cpu_layout = None
         if device.type == "cpu" and self.out_features % 16 == 0:  # NOTE: the CPU packer needs N % 16 == 0
-            if self.out_features % 32 == 0 and _direct_cpu_packing_matches_aten():
-                self.weight = _pack_int4_cpu_direct(codes)
-                self.direct_layout = True
-            else:
+            layout = _cpu_layout()
+            if isinstance(layout, Int4CpuLayout):
+                self.weight = _pack_int4_cpu_direct(codes.numpy(), layout)
+            else:  # a layout we do not know: torch's own packer
                 self.weight = _aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
-            self.kernel = "int4_cpu"
+            self.cpu_layout, self.kernel = layout, "int4_cpu"
             return
         tiles = _cuda_inner_k_tiles(k4, self.out_features)
         if device.type == "cuda" and tiles is not None:
@@ -165,6 +218,16 @@ class QuantLinear(nn.Module):
             self.kernel = "int4_dequant"
         elif self.kernel == "int8":
             self.kernel = "int8_dequant"
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        # NOTE: a pickled int4_cpu layer (the packed-model cache) may come from a process whose ATen
+        # used another layout (another CPU, ATEN_CPU_CAPABILITY): repack its codes for this one.
+        layout = getattr(self, "cpu_layout", None)
+        if self.kernel == "int4_cpu" and layout != _cpu_layout():
+            if not isinstance(layout, Int4CpuLayout):
+                raise RuntimeError(f"int4 weights packed for {layout!r}, this process uses {_cpu_layout()!r}")
+            self._pack_int4(_unpack_int4_cpu(self.weight, self.out_features, self._int4_columns, layout))
 
     def _apply(self, fn, recurse=True):
         # NOTE: storage dtypes are fixed by the kernel: a dtype cast in `fn` is dropped, the move is kept.
@@ -192,15 +255,13 @@ class QuantLinear(nn.Module):
         return _aten._weight_int4pack_mm(x, self.weight, GROUP_SIZE, scales)
 
     def int4_codes(self) -> torch.Tensor:
-        """The stored 4-bit codes as uint8 [N, K4]: unpacked from the known CPU layout, else
+        """The stored 4-bit codes as uint8 [N, K4]: unpacked from a known CPU layout, else
         read back through the kernel itself (identity input)."""
         assert self.mode in ("int4", "int8_block")
         if self.kernel == "int4_dequant":
             return self.weight
-        if self.kernel == "int4_cpu" and self.direct_layout:
-            blocks = self.weight.view(self.out_features // 32, self._int4_columns, 16)  # [N/32, K4, 16]
-            codes = torch.cat([blocks & 15, blocks >> 4], dim=2)  # [N/32, K4, 32]
-            return codes.transpose(1, 2).reshape(self.out_features, self._int4_columns)
+        if self.kernel == "int4_cpu" and isinstance(self.cpu_layout, Int4CpuLayout):
+            return _unpack_int4_cpu(self.weight, self.out_features, self._int4_columns, self.cpu_layout)
         eye = torch.eye(self._int4_columns, dtype=torch.bfloat16, device=self.weight.device)  # [K4, K4]
         unit = torch.zeros_like(self.scales)
         unit[..., 0] = 1  # scale 1, zero 0: the kernel returns q - 8, exact in bf16
@@ -226,8 +287,8 @@ class QuantLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)  # [num_tokens, in_features]
         kernel = self.kernel
         if self.dense_min_tokens is not None and x2.shape[0] >= self.dense_min_tokens and (
-            kernel == "int8" or (kernel == "int4_cpu" and self.direct_layout)
-        ):
+            kernel == "int8" or (kernel == "int4_cpu" and isinstance(self.cpu_layout, Int4CpuLayout))
+        ):  # NOTE: int4 only from a layout we unpack: reading codes back through the kernel costs more
             kernel = "prefill"
         if kernel == "dense":
             y = F.linear(x2.to(self.weight.dtype), self.weight)

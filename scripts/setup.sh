@@ -36,5 +36,17 @@ if ! command -v chromium >/dev/null 2>&1; then
     echo "[setup] note: no chromium (installing it needs root and apt-get); the web page test will skip" >&2
   fi
 fi
+# The arm64 cross-check of the integer kernels (tests/kernels/test_cpu_qgemm_cross.py) builds them with
+# Debian's cross gcc and runs them under qemu-user; it skips without them. Never fatal.
+if ! command -v aarch64-linux-gnu-gcc >/dev/null 2>&1 || ! command -v qemu-aarch64 >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "[setup] installing gcc-aarch64-linux-gnu and qemu-user (arm64 check of the kernels)" >&2
+    export DEBIAN_FRONTEND=noninteractive
+    { apt-get install -y -q gcc-aarch64-linux-gnu qemu-user || { apt-get update -q && apt-get install -y -q gcc-aarch64-linux-gnu qemu-user; }; } \
+      >/dev/null 2>&1 </dev/null || echo "[setup] note: could not install the arm64 cross tools; that test will skip" >&2
+  else
+    echo "[setup] note: no aarch64-linux-gnu-gcc/qemu-aarch64 (needs root and apt-get); the arm64 kernel test will skip" >&2
+  fi
+fi
 echo "$want" > "$stamp"
 echo "[setup] done" >&2

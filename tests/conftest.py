@@ -6,6 +6,19 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture
+def exact_arith():
+    """fp32-activation GEMVs (`--arith exact`) for the test, then back: for tests of the exact path itself,
+    and of torch-vs-C op equivalence, where the 8-bit activation rounding would amplify fp32 op-order
+    differences of ~1e-7 into whole quantization steps."""
+    from kernels import cpu_gemv
+
+    old = cpu_gemv.arith()
+    cpu_gemv.set_arith("exact")
+    yield
+    cpu_gemv.set_arith(old)
+
+
 @pytest.fixture(scope="session")
 def model_path():
     from edge_runtime.model_path import default_model_path

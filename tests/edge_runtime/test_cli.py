@@ -153,3 +153,24 @@ def test_unavailable_device():
     if __import__("torch").cuda.is_available():
         pytest.skip("CUDA is present")
     bad(["generate", "--device", "cuda", "hi"], "device 'cuda' (profile laptop_cuda) is not available here: no CUDA GPU")
+
+
+def test_arith_flag_applies_and_is_refused_where_it_does_not():
+    """--arith exact and int8 both answer (different arithmetic, same command); on llama.cpp, with torch's
+    int4 weights, or on a worker with an upstream engine the flag does not apply: exit 2, one line."""
+    from kernels import cpu_gemv
+
+    if not cpu_gemv.available():
+        pytest.skip("C kernels unavailable here")
+    outs = {}
+    for arith in ("int8", "exact"):
+        p = run("generate", "--json", "--arith", arith, "--max-tokens", "8", "--draft", "none", "What is 2+2?")
+        assert p.returncode == 0, p.stderr
+        outs[arith] = json.loads(p.stdout)["token_ids"]
+    assert outs["int8"] and outs["exact"]
+    for argv in (["generate", "--backend", "llama.cpp", "--arith", "int8", "hi"],
+                 ["generate", "--quant", "int4", "--arith", "exact", "hi"],
+                 ["worker", "--upstream", "http://127.0.0.1:9/v1", "--arith", "exact"]):
+        p = run(*argv, timeout=120)
+        assert p.returncode == 2, (argv, p.stderr)
+        assert p.stderr.strip().splitlines()[-1].startswith("edge-runtime: error: --arith"), p.stderr

@@ -16,7 +16,13 @@ def test_devices_json_has_found_chosen_reasons_and_picks_laptop_cpu_here(capsys)
     code, out, err = run(capsys, "--json")
     assert code == 0, err
     data = json.loads(out)
-    assert set(data) == {"found", "chosen", "reasons"}
+    assert set(data) == {"found", "chosen", "reasons", "kernels"}
+    from kernels import cpu_gemv, cpu_qgemm
+
+    if cpu_gemv.available():
+        k = data["kernels"]
+        assert k["available"] and k["isa_variant"] == cpu_qgemm.variant() and k["best"] == cpu_qgemm.best()
+        assert "portable" in k["runnable"] and k["arith"] in ("int8", "exact")
     found, chosen = data["found"], data["chosen"]
     if found["cuda"] or found["mps"]:
         pytest.skip("this machine has a GPU: the laptop_cpu expectation is for CPU-only machines")
@@ -30,6 +36,7 @@ def test_devices_json_has_found_chosen_reasons_and_picks_laptop_cpu_here(capsys)
 def test_devices_text_lists_found_chosen_and_reasons(capsys):
     code, out, err = run(capsys)
     assert code == 0, err
+    assert "kernels: ISA variant" in out or "kernels: unavailable" in out
     for word in ("found", "cpu", "isa", "memory", "battery", "onnxruntime", "chosen: profile", "reasons"):
         assert word in out
     assert "CPUExecutionProvider" in out and "\n  - " in out
@@ -63,3 +70,22 @@ def test_devices_bad_backend_is_an_argparse_error(capsys):
     with pytest.raises(SystemExit) as e:
         main(["devices", "--backend", "tensorrt"])
     assert e.value.code == 2 and "tensorrt" in capsys.readouterr().err
+
+
+def test_an_isa_this_cpu_cannot_run_is_a_one_line_error():
+    """EDGE_RUNTIME_ISA naming a variant this CPU lacks: exit 2 and one line naming what it can run."""
+    import os
+    import subprocess
+    import sys
+
+    from kernels import cpu_gemv, cpu_qgemm
+
+    if not cpu_gemv.available():
+        pytest.skip("C kernels unavailable here")
+    missing = [v for v in cpu_qgemm.VARIANTS if v not in cpu_qgemm.supported()][-1]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    res = subprocess.run([sys.executable, "-m", "edge_runtime", "devices"], cwd=root, capture_output=True, text=True,
+                         env=dict(os.environ, EDGE_RUNTIME_ISA=missing), timeout=120)
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [
+        f"edge-runtime: error: this CPU cannot run the {missing} kernels; it runs: {', '.join(cpu_qgemm.supported())}"]

@@ -8,7 +8,7 @@ from cloud_fallback.launcher import WorkerProcess
 from tests.child_process import sigint_default
 from tests.edge_runtime.test_cli import run
 
-PROMPT = "What is the capital of France?"
+PROMPT = "Name the capital of France."
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,7 @@ def test_chat_on_the_hybrid_runtime_marks_sources_and_ctrl_c_stops_only_the_clou
         while len(got) < 60 and time.time() < deadline:  # the cloud answer is streaming
             got += os.read(proc.stdout.fileno(), 64).decode(errors="replace")
         proc.send_signal(signal.SIGINT)
-        proc.stdin.write("/reset\nWhat is the capital of France?\n/quit\n")
+        proc.stdin.write("/reset\nName the capital of France.\n/quit\n")
         proc.stdin.flush()
         out, err = proc.communicate(timeout=240)
     finally:

@@ -9,7 +9,7 @@ from kernels import cpu_gemv
 pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason="C kernels unavailable here")
 
 
-def test_fused_step_matches_torch_step(model_path, prose):
+def test_fused_step_matches_torch_step(model_path, prose, exact_arith):
     from edge_runtime.tokenizer import Tokenizer
 
     model, gf = load_model(model_path, quant="gguf")
@@ -28,7 +28,7 @@ def test_fused_step_matches_torch_step(model_path, prose):
         assert int(a.argmax()) == int(b.argmax())
 
 
-def test_backend_uses_fused_step_and_greedy_matches_unfused(model_path):
+def test_backend_uses_fused_step_and_greedy_matches_unfused(model_path, exact_arith):
     from edge_runtime.backends.native import NativeBackend
     from edge_runtime.request import GenerationRequest, SamplingParams
 
@@ -43,7 +43,7 @@ def test_backend_uses_fused_step_and_greedy_matches_unfused(model_path):
 # int8: an fp32 op-order difference that crosses a rounding boundary moves a stored K/V value by one
 # quantization step (1/127 of its row's max), so the logits may differ by ~0.05 of ~20 (measured 0.0496).
 @pytest.mark.parametrize("kv_dtype, tol", [("fp32", 1e-3), ("fp16", 5e-3), ("bf16", 3e-2), ("int8", 8e-2)])
-def test_fused_step_on_scattered_blocks_matches_torch_step(model_path, prose, kv_dtype, tol):
+def test_fused_step_on_scattered_blocks_matches_torch_step(model_path, prose, kv_dtype, tol, exact_arith):
     """One step from the same cache state, a shuffled block table, pools full of NaN beforehand: the C step
     writes K/V rounded as torch does and attends over the right slots only."""
     from edge_runtime.tokenizer import Tokenizer

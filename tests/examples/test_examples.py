@@ -22,7 +22,7 @@ def test_local_generate():
 
 
 def test_offline_laptop_never_leaves_the_device():
-    out = run("offline_laptop.py", "What is the capital of France?")
+    out = run("offline_laptop.py", "Name the capital of France.")
     assert out.count("answered local: offline mode") == 2 and "asked route=cloud" in out
     assert "Paris" in out and "'cloud'" not in out
 

@@ -148,7 +148,7 @@ def test_threads_setting():
         cpu_gemv.set_num_threads(0)
 
 
-def test_custom_op_eager_and_compiled():
+def test_custom_op_eager_and_compiled(exact_arith):
     """torch.ops.edge_runtime.gguf_gemv: same numbers eagerly and inside a fullgraph torch.compile."""
     rows = torch.from_numpy(make_rows("q4_1", 96, 64))
     head = torch.from_numpy(make_rows("q8_0", 40, 96))

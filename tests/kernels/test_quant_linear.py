@@ -2,16 +2,24 @@
 
 Block data is real: gguf.quants.quantize for the types it can write, hand-built
 random blocks with valid fp16 scales for the K-quants, and tensors of the
-default model when it is installed.
+default model when it is installed. The CPU int4 layouts of other CPU
+capabilities run in child processes (ATEN_CPU_CAPABILITY), and the default
+model's int4/int8 greedy generation is checked against its fp32 reference.
 """
+import os
+import subprocess
+import sys
+
 import gguf
 import numpy as np
 import pytest
 import torch
 
+import kernels.quant_linear as quant_linear
 from edge_runtime.errors import UnsupportedModelError
 from kernels.gguf_blocks import dequantize_rows, int4_groups, q8_0_blocks
-from kernels.quant_linear import MODES, _pack_int4_cpu_direct, pack_embedding, pack_weight, reference_linear
+from kernels.quant_linear import (CPU_LAYOUTS, MODES, Int4CpuLayout, _cpu_layout, _pack_int4_cpu_direct,
+                                  _unpack_int4_cpu, pack_embedding, pack_weight, reference_linear)
 
 T = gguf.GGMLQuantizationType
 ALL_TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K]
@@ -90,11 +98,122 @@ def test_int4_repack_keeps_codes_and_rounds_only_scales(qtype):
     torch.testing.assert_close(lin(eye).t(), want.to(torch.bfloat16).float(), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("rows", [32, 96, 3072])
-def test_direct_cpu_packing_matches_aten(rows):
+def aten_int4_pack_loop(codes, capability):
+    """Plain reference: ATen's `weight_to_int4pack_kernel` (native/cpu/int4mm_kernel.cpp), loop by loop."""
+    n, k = codes.shape
+    block_n = 64 if capability == "avx512" else 32
+    out = np.zeros(n * k // 2, np.uint8)
+    for i in range(-(-n // block_n)):
+        nb, src, dst = min(block_n, n - i * block_n), codes[i * block_n:], i * k * block_n // 2
+        for kk in range(k):
+            if capability == "avx512" and nb == block_n:
+                for d in range(16):
+                    out[dst + kk * 32 + d] = src[d + 32, kk] << 4 | src[d, kk]
+                    out[dst + kk * 32 + 16 + d] = src[d + 48, kk] << 4 | src[d + 16, kk]
+            elif capability == "avx2" and nb == block_n:
+                for d in range(16):
+                    out[dst + kk * 16 + d] = src[d + 16, kk] << 4 | src[d, kk]
+            else:  # shorter last block, or the non-vectorized kernel
+                for j in range(0, nb, 2):
+                    out[dst + kk * nb // 2 + j // 2] = src[j + 1, kk] << 4 | src[j, kk]
+    return out.reshape(n, k // 2)
+
+
+ATEN_LAYOUTS = {"avx2": Int4CpuLayout(32, True), "avx512": Int4CpuLayout(64, True), "default": Int4CpuLayout(32, False)}
+
+
+@pytest.mark.parametrize("capability", ATEN_LAYOUTS)
+@pytest.mark.parametrize("rows", [16, 48, 96, 176])
+def test_cpu_layouts_match_aten_loop(capability, rows):
+    codes = np.random.default_rng(rows).integers(0, 16, (rows, 64), dtype=np.uint8)
+    layout = ATEN_LAYOUTS[capability]
+    packed = _pack_int4_cpu_direct(codes, layout)
+    assert np.array_equal(packed.numpy(), aten_int4_pack_loop(codes, capability))
+    assert torch.equal(_unpack_int4_cpu(packed, rows, 64, layout), torch.from_numpy(codes))
+
+
+@pytest.mark.parametrize("rows", [16, 48, 96, 3072])
+def test_cpu_packing_matches_aten(rows):
+    layout = _cpu_layout()
+    assert layout in CPU_LAYOUTS, f"no fast int4 packing on this torch build: {layout}"
     codes = torch.randint(0, 16, (rows, 576), dtype=torch.int32)
     want = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-    assert torch.equal(_pack_int4_cpu_direct(codes.to(torch.uint8)), want)
+    assert torch.equal(_pack_int4_cpu_direct(codes.to(torch.uint8).numpy(), layout), want)
+    assert torch.equal(_unpack_int4_cpu(want, rows, 576, layout), codes.to(torch.uint8))
+
+
+def test_unknown_cpu_layout_uses_torch_packer(monkeypatch, tmp_path):
+    """A layout outside CPU_LAYOUTS: torch's packer, codes read back through the kernel, no prefill switch."""
+    monkeypatch.setattr(quant_linear, "_cpu_layout", lambda: "aten test build")
+    data = make_tensor(T.Q4_1, 96, 512, seed=7)
+    lin = pack_weight(T.Q4_1, data, (96, 512), "int4")
+    assert (lin.kernel, lin.cpu_layout) == ("int4_cpu", "aten test build")
+    x = torch.randn(8, 512)
+    y = lin(x)
+    assert rel_err(y, reference_linear(T.Q4_1, data, (96, 512), x)) < TOLERANCE["int4"]
+    assert torch.equal(lin.int4_codes(), torch.from_numpy(int4_groups(T.Q4_1, data, (96, 512))[0]))
+    lin.dense_min_tokens = 1
+    assert torch.equal(lin(x), y)  # the int kernel, not the prefill switch
+    torch.save(lin, tmp_path / "lin.pt")
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match="aten test build"):  # the model loader rebuilds such a cache entry
+        torch.load(tmp_path / "lin.pt", weights_only=False)
+
+
+CHILD = """
+import sys
+import gguf, numpy as np, torch
+import torch.nn.functional as F
+from kernels.quant_linear import _cpu_layout, _pack_int4_cpu_direct, _unpack_int4_cpu, pack_weight, reference_linear
+out, run_kernels = sys.argv[1], sys.argv[2] == "1"
+layout = _cpu_layout()
+print(torch.backends.cpu.get_cpu_capability(), tuple(layout))
+for rows in (16, 48, 96, 176, 3072):
+    codes = torch.randint(0, 16, (rows, 576), dtype=torch.int32)
+    aten = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    assert torch.equal(_pack_int4_cpu_direct(codes.to(torch.uint8).numpy(), layout), aten), rows
+    assert torch.equal(_unpack_int4_cpu(aten, rows, 576, layout), codes.to(torch.uint8)), rows
+saved, rng = [], np.random.default_rng(0)
+T = gguf.GGMLQuantizationType
+for qtype, mode, rows in ((T.Q4_1, "int4", 112), (T.Q8_0, "int8_block", 176)):
+    data = gguf.quants.quantize((rng.standard_normal((rows, 512)) * 0.05).astype(np.float32), qtype)
+    lin = pack_weight(qtype, data, (rows, 512), mode)
+    assert lin.kernel == "int4_cpu" and lin.cpu_layout == layout
+    if run_kernels:
+        x = torch.randn(80, 512)
+        ref = reference_linear(qtype, data, (rows, 512), x)
+        y = lin(x)
+        assert ((y - ref).norm() / ref.norm()).item() < 1e-2
+        lin.dense_min_tokens = 64
+        torch.testing.assert_close(lin(x), F.linear(x, lin.dequantized_weight()))  # the prefill switch
+        lin.dense_min_tokens = None
+    saved.append((int(qtype), mode, data, lin))
+torch.save(saved, out)
+"""
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+NATIVE_CAPABILITIES = {"DEFAULT": {"default"}, "AVX2": {"default", "avx2"}, "AVX512": {"default", "avx2", "avx512"}}
+
+
+@pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
+def test_other_cpu_capabilities(capability, tmp_path):
+    """Pack (and, where this CPU can run that kernel, multiply) with ATen dispatching to `capability`;
+    the layers it saves load here, repacked for this process's layout (the packed-model cache)."""
+    runnable = capability in NATIVE_CAPABILITIES.get(torch.backends.cpu.get_cpu_capability(), {"default"})
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "layers.pt"), "1" if runnable else "0"],
+                          capture_output=True, text=True, env=env, timeout=120, cwd=REPO_ROOT)
+    if proc.returncode == -4 and not runnable:  # SIGILL: this build's packer itself needs that CPU
+        pytest.skip(f"torch's {capability} int4 packer does not run on this CPU")
+    assert proc.returncode == 0, proc.stderr
+    got_capability, got_layout = proc.stdout.split(maxsplit=1)
+    if got_capability != capability.upper():
+        pytest.skip(f"this torch build has no {capability} kernels (got {got_capability})")
+    assert got_layout.strip() == str(tuple(ATEN_LAYOUTS[capability]))
+    x = torch.randn(5, 512)
+    for qtype, mode, data, lin in torch.load(tmp_path / "layers.pt", weights_only=False):
+        assert (lin.mode, lin.kernel, lin.cpu_layout) == (mode, "int4_cpu", _cpu_layout())
+        ref = reference_linear(T(qtype), data, (lin.out_features, 512), x)
+        assert rel_err(lin(x), ref) < TOLERANCE[mode]
 
 
 @pytest.mark.parametrize("rows, kernel", [(48, "int4_cpu"), (40, "int4_dequant")])
@@ -145,8 +264,8 @@ def test_modes_match_reference(qtype, mode):
 
 @pytest.mark.parametrize("qtype, mode", [(T.Q4_K, "int4"), (T.Q8_0, "int8_block"), (T.Q4_1, "int8")])
 def test_prefill_dense_switch(qtype, mode):
-    data = make_tensor(qtype, 64, 512, seed=6)
-    lin = pack_weight(qtype, data, (64, 512), mode)
+    data = make_tensor(qtype, 112, 512, seed=6)  # 112 rows: full blocks and a shorter one in every layout
+    lin = pack_weight(qtype, data, (112, 512), mode)
     x = torch.randn(8, 512)
     y_kernel = lin(x)
     lin.dense_min_tokens = 8
@@ -244,3 +363,49 @@ def test_default_model_tensors(default_reader):
     head = pack_weight(e.tensor_type, e.data[:4096], (4096, shape[1]), "int8_block", name=e.name)
     x = torch.randn(2, shape[1])
     assert rel_err(head(x), reference_linear(e.tensor_type, e.data[:4096], (4096, shape[1]), x)) < 1e-2
+
+
+PROMPT = ("Explain in a few sentences why the sky is blue, what Rayleigh scattering is, and why sunsets are red "
+          "and orange rather than blue. Keep it simple enough for a curious ten year old to follow.")
+NEAR_TIE = 0.5  # a reference top-2 logit gap below this may flip under quantization: compare tokens up to there
+
+
+def greedy(model, ids, num_tokens=16):
+    """Greedy decode, one token a step -> (tokens, logits fp32 [num_tokens, vocab])."""
+    model.allocate_cache(256)
+    logits = [model(torch.tensor(ids), 0)[-1]]
+    tokens = [int(logits[-1].argmax())]
+    for pos in range(len(ids), len(ids) + num_tokens - 1):
+        logits.append(model(torch.tensor(tokens[-1:]), pos)[-1])
+        tokens.append(int(logits[-1].argmax()))
+    return tokens, torch.stack(logits)
+
+
+@pytest.fixture(scope="module")
+def fp32_greedy(model_path):
+    from edge_runtime.chat_template import ChatTemplate
+    from edge_runtime.model_loader import load_model
+    from edge_runtime.tokenizer import Tokenizer
+
+    model, gf = load_model(model_path, quant="fp32")
+    template = ChatTemplate.from_metadata(gf.metadata)
+    prompt = template.render([{"role": "user", "content": PROMPT}])
+    ids = Tokenizer.from_metadata(gf.metadata).encode(prompt, special=True)
+    return ids, *greedy(model, ids)
+
+
+@pytest.mark.parametrize("quant, kernel, tol", [("int4", "int4_cpu", 0.04), ("int8", "int8", 0.08)])
+def test_greedy_generation_matches_fp32_reference(model_path, fp32_greedy, quant, kernel, tol):
+    """The torch path end to end: the prompt (72 tokens) through the prefill switch, then one-token
+    steps through the int kernel; tokens equal the fp32 reference's up to its first near-tie."""
+    from edge_runtime.model_loader import load_model
+
+    ids, ref_tokens, ref_logits = fp32_greedy
+    model, _ = load_model(model_path, quant=quant, cache=False)
+    assert len(ids) >= model.blocks[0].wqkv.dense_min_tokens and model.blocks[0].wqkv.kernel == kernel
+    tokens, logits = greedy(model, ids, len(ref_tokens))
+    top2 = ref_logits.topk(2, dim=-1).values
+    ties = ((top2[:, 0] - top2[:, 1]) < NEAR_TIE).nonzero()
+    n = int(ties[0]) if len(ties) else len(ref_tokens)
+    assert n >= 8 and tokens[:n] == ref_tokens[:n]
+    assert rel_err(logits[:n + 1], ref_logits[:n + 1]) < tol

@@ -20,14 +20,34 @@ def test_compiled_decode_is_lossless(model_path):
         assert compiled.generate(req).token_ids == eager.generate(req).token_ids
 
 
-def test_gguf_kernels_agree_with_fp32_reference(native_backend, model_path):
-    # The default CPU path keeps the file's blocks and multiplies in fp32: greedy output equals
-    # the dequantized fp32 reference's.
+def test_gguf_kernels_agree_with_fp32_reference(native_backend, model_path, exact_arith):
+    # --arith exact keeps the file's blocks and multiplies in fp32: greedy output equals the
+    # dequantized fp32 reference's.
     assert native_backend.quant == "gguf"
     ref = NativeBackend(model_path, n_ctx=1024, quant="fp32", compile=False)
     for prompt in ["Name three planets.", "Write a haiku about autumn."]:
         req = chat(prompt, max_tokens=40)
         assert native_backend.generate(req).token_ids == ref.generate(req).token_ids
+
+
+def test_int8_arithmetic_agrees_with_exact_teacher_forced(native_backend, prose):
+    """The default --arith int8 (8-bit activations) against --arith exact on the same 512 prose tokens:
+    teacher-forced top-1 agreement (measured 95.3 % here; llama.cpp's int8 activations sit at about 96 %
+    against the exact path) and the logits close; the two really differ (not the same path twice)."""
+    from kernels import cpu_gemv
+
+    runner = native_backend.runner
+    ids = runner.tokenize(prose, special=False)[:512]
+    assert cpu_gemv.arith() == "int8"
+    int8 = runner.logits(ids)
+    cpu_gemv.set_arith("exact")
+    try:
+        exact = runner.logits(ids)
+    finally:
+        cpu_gemv.set_arith("int8")
+    agree = (int8.argmax(-1) == exact.argmax(-1)).float().mean().item()
+    assert agree >= 0.93, agree
+    assert 0 < (int8 - exact).abs().max().item() < 5.0
 
 
 def test_chunked_prefill_matches_one_pass(model_path, prose):

@@ -53,7 +53,9 @@ def test_shared_system_prompt_is_not_recomputed(fp32_kv):
     assert fp32_kv.generate(ask("How do I renew a book?")).token_ids == second.token_ids
 
 
-def test_int8_kv_top1_agreement_with_fp16_kv(model_path, native_backend, prose):
+def test_int8_kv_top1_agreement_with_fp16_kv(model_path, native_backend, prose, exact_arith):
+    # with --arith exact, the figure the README states; under the default int8 arithmetic the 8-bit activation
+    # rounding amplifies the KV rounding differences: 96.7 % measured over the same positions
     int8 = NativeBackend(model_path, n_ctx=1024, kv_dtype="int8")
     assert native_backend.kv_config.kv_dtype == "fp16" and int8.runner.model.kv.quantized
     code = "def merge(a, b):\n    out = []\n    while a and b:\n        out.append(a.pop(0) if a[0] < b[0] else b.pop(0))\n"

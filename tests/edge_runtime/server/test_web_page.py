@@ -201,7 +201,7 @@ def test_the_answer_streams_in_local_spans_and_equals_the_greedy_api_answer(brow
 
 def test_the_conversation_is_kept_and_stop_cancels(browser, gw):
     open_page(browser, gw)
-    ask(browser, "What is the capital of France?", 12)
+    ask(browser, "Name the capital of France.", 12)
     first, _ = answer(browser)
     ask(browser, STORY, 400)
     stopped = []
@@ -243,7 +243,7 @@ def test_a_wrong_api_key_is_reported(browser, gw):
 
 def test_route_cloud_shows_cloud_spans(browser, cloud):
     _, g = cloud
-    question = "What is the capital of France?"
+    question = "Name the capital of France."
     expected = api_answer(g, [{"role": "user", "content": question}], 24, route="cloud")
     assert expected["x_hybrid"]["route"] == "cloud"
     open_page(browser, g)
