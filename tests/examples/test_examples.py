@@ -28,11 +28,11 @@ def test_offline_laptop_never_leaves_the_device():
 
 
 def test_desktop_assistant_keeps_the_conversation_and_marks_sources():
-    out = run("desktop_assistant.py", input="I live in Paris.\nWhich city do I live in?\n")
+    out = run("desktop_assistant.py", input="I have a dog called Max.\nWhat is my dog called?\n")
     assert re.search(r"\[cloud worker on ws://127\.0\.0\.1:\d+\]", out)
     answers = [line for line in out.splitlines() if line.startswith("[local]") or line.startswith("[cloud]")]
     assert len(answers) == 2, out
-    assert "Paris" in answers[1]  # the second answer saw the first turn (asked alone, greedy, it names no city)
+    assert "Max" in answers[1]  # the second answer saw the first turn (asked alone, greedy, it names no dog)
 
 
 def test_hybrid_api_with_the_official_openai_client():
