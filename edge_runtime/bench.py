@@ -140,7 +140,7 @@ def machine() -> dict:
                                                  cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip())
     return {"cpu_model": model, "isa": cpu_qgemm.variant() if cpu_gemv.available() else None,
             "isa_runnable": cpu_qgemm.supported() if cpu_gemv.available() else [],
-            "commit": commit + ("-dirty" if dirty else "")}
+            "commit": commit + ("-dirty" if dirty else ""), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "")}
 
 
 def run_bench(args) -> int:
