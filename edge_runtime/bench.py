@@ -164,7 +164,7 @@ def run_bench(args) -> int:
         # the timed runs measure a warm start.
         if args.repeats > 0 and name != "llama.cpp":
             _worker(name, args.model, threads, 0)
-        key = name.replace(".", "_")
+        key = name.replace(".", "_").replace("-", "_")
         res[key] = _worker(name, args.model, threads, args.repeats)
         keys.append(key)
     if "native" in res and "llama_cpp" in res:
