@@ -171,6 +171,12 @@ def cmd_chat(args) -> int:
     return chat_hybrid(args, sampling_params(args), make_backend)  # the device alone when no --cloud
 
 
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def cmd_perplexity(args) -> int:
     from .backends import create_backend
 
@@ -189,6 +195,13 @@ def cmd_perplexity(args) -> int:
     t0 = time.perf_counter()
     res = backend.perplexity(ids, args.ctx)
     res.update(backend=backend.name, ctx=args.ctx, seconds=round(time.perf_counter() - t0, 2))
+    if args.json:  # what the figure came from: the machine, the kernels' ISA variant and arithmetic, the commit
+        from kernels import cpu_gemv
+
+        from .bench import machine
+
+        res.update(machine(), threads=kwargs["threads"] or torch_threads(),
+                   arith=cpu_gemv.arith() if name == "native" and backend.quant == "gguf" else None)
     print(json.dumps(res) if args.json else f"perplexity {res['ppl']:.4f} over {res['tokens']} scored tokens "
           f"({res['windows']} windows of {args.ctx}, backend {backend.name})")
     return 0

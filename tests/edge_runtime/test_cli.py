@@ -63,6 +63,7 @@ def test_perplexity_json(tmp_path, prose):
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     assert out["backend"] == "llama.cpp" and out["tokens"] > 0 and 1 < out["ppl"] < 100
+    assert out["cpu_model"] and out["threads"] >= 1 and "commit" in out and out["arith"] is None  # where it ran
 
 
 def bad(args, pattern):
