@@ -104,7 +104,10 @@ def _worker(backend_name: str, model: str, threads: int | None, repeats: int) ->
 
 
 def print_and_save(result: dict, json_file: str | None) -> None:
-    """Print a benchmark's result as JSON and write it to `json_file` (folders created) when given."""
+    """Print a benchmark's result as JSON and write it to `json_file` (folders created) when given, with the
+    machine it ran on (`machine()`) unless the result already names it."""
+    if "cpu_model" not in result:
+        result = {**result, "machine": machine()}
     text = json.dumps(result, indent=2)
     if json_file:
         os.makedirs(os.path.dirname(os.path.abspath(json_file)), exist_ok=True)

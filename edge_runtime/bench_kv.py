@@ -124,6 +124,9 @@ def run_kv_bench(args) -> int:
     print(f"TTFT with a cached {SYSTEM_PROMPT_TOKENS}-token system prompt ({p['prompt_tokens']} prompt tokens): "
           f"cold {p['cold_ttft_ms']:.0f} ms, cached {p['cached_ttft_ms']:.0f} ms: "
           f"prefix_ttft_speedup {p['prefix_ttft_speedup']:.1f} (target >= 5)")
+    from .bench import machine
+
+    res["machine"] = machine()
     if args.json_file:
         with open(args.json_file, "w") as f:
             json.dump(res, f, indent=2)

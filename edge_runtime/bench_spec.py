@@ -157,6 +157,9 @@ def run_spec_bench(args) -> int:
                           if isinstance(v, dict) and name.startswith("native"))
     res["grounded"]["llama_cpp_ngram"]["note"] = (
         "not offered: llama.cpp's batched rows differ from its one-token rows, so answers can change")
+    from .bench import machine
+
+    res["machine"] = machine()
     text = json.dumps(res, indent=2)
     print(text)
     if args.json_file:
