@@ -432,22 +432,30 @@ ALWAYS_INLINE float hsum_lanes(__m256 v) {
     return lanes_sum(a);
 }
 
+/* Group g of one row: prefetch ahead along the row, then load_group; returns the group's valid blocks. */
+ALWAYS_INLINE int fetch_group(const qg_args* a, const uint8_t* row, int g, const int KIND, __m256i* u, __m256* dw,
+                              __m256* mw, __m256i* sc) {
+    const int nb = KIND == K_Q4_K ? a->ngroups * GROUP : a->K / QK;
+    const int span = KIND == K_Q4_K ? 144 : GROUP * (KIND == K_Q4_0 ? 18 : KIND == K_Q4_1 ? 20 : 34);
+    const int nvalid = nb - g * GROUP < GROUP ? nb - g * GROUP : GROUP;
+    for (int c = 0; c < span; c += 64)
+        _mm_prefetch((const char*)row + (size_t)g * span + PREFETCH_BYTES + c, _MM_HINT_T0);
+    *sc = _mm256_setzero_si256();
+    load_group(row, g, nvalid, KIND, u, dw, mw, sc);
+    return nvalid;
+}
+
 /* Row n of W against rows m0 .. m0 + MC - 1 of x (MC: a compile-time count, 1..4: the accumulators
  * stay in registers; a row's codes are unpacked again for every 4 rows of x, from L1). */
 ALWAYS_INLINE void row_x86(const qg_args* a, int n, int m0, const int MC, const int KIND) {
-    const int nb = KIND == K_Q4_K ? a->ngroups * GROUP : a->K / QK;
     const uint8_t* row = a->w + (size_t)n * a->row_bytes;
-    const int span = KIND == K_Q4_K ? 144 : GROUP * (KIND == K_Q4_0 ? 18 : KIND == K_Q4_1 ? 20 : 34);
     __m256 acc[4];
 #pragma GCC unroll 4
     for (int m = 0; m < MC; m++) acc[m] = _mm256_setzero_ps();
     for (int g = 0; g < a->ngroups; g++) {
-        const int nvalid = nb - g * GROUP < GROUP ? nb - g * GROUP : GROUP;
-        for (int c = 0; c < span; c += 64)
-            _mm_prefetch((const char*)row + (size_t)g * span + PREFETCH_BYTES + c, _MM_HINT_T0);
-        __m256i u[GROUP], sc = _mm256_setzero_si256();
+        __m256i u[GROUP], sc;
         __m256 dw, mw;
-        load_group(row, g, nvalid, KIND, u, &dw, &mw, &sc);
+        const int nvalid = fetch_group(a, row, g, KIND, u, &dw, &mw, &sc);
 #pragma GCC unroll 4
         for (int m = 0; m < MC; m++) {
             const size_t xb = (size_t)(m0 + m) * a->nbp + (size_t)g * GROUP;
@@ -492,20 +500,15 @@ ALWAYS_INLINE __m256i mfinish(__m256i s, const int KIND) {
 }
 
 ALWAYS_INLINE void row_mlanes(const qg_args* a, int n, int mg, const int KIND) {
-    const int nb = KIND == K_Q4_K ? a->ngroups * GROUP : a->K / QK;
     const uint8_t* row = a->w + (size_t)n * a->row_bytes;
-    const int span = KIND == K_Q4_K ? 144 : GROUP * (KIND == K_Q4_0 ? 18 : KIND == K_Q4_1 ? 20 : 34);
     uint8_t ub[GROUP][QK] __attribute__((aligned(32)));
     __m256 acc[GROUP];
 #pragma GCC unroll 8
     for (int t = 0; t < GROUP; t++) acc[t] = _mm256_setzero_ps();
     for (int g = 0; g < a->ngroups; g++) {
-        const int nvalid = nb - g * GROUP < GROUP ? nb - g * GROUP : GROUP;
-        for (int c = 0; c < span; c += 64)
-            _mm_prefetch((const char*)row + (size_t)g * span + PREFETCH_BYTES + c, _MM_HINT_T0);
-        __m256i u[GROUP], sc = _mm256_setzero_si256();
+        __m256i u[GROUP], sc;
         __m256 dw, mw;
-        load_group(row, g, nvalid, KIND, u, &dw, &mw, &sc);
+        const int nvalid = fetch_group(a, row, g, KIND, u, &dw, &mw, &sc);
 #pragma GCC unroll 8
         for (int t = 0; t < GROUP; t++) _mm256_store_si256((__m256i*)ub[t], u[t]);
 #pragma GCC unroll 8
