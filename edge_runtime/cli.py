@@ -86,6 +86,11 @@ def backend_args(args, compile: bool | str = "auto") -> tuple[str, dict, object]
         from kernels import cpu_gemv
 
         cpu_gemv.set_arith("int8" if arith == "auto" else arith)
+        quant = choice.quant if args.quant == "auto" else args.quant
+        reason = cpu_gemv.unavailable_reason() if quant == "gguf" and choice.device == "cpu" else ""
+        if reason and "EDGE_RUNTIME_CPU_GEMV" not in reason:  # a missing compiler or a failed build, not the override
+            raise EdgeRuntimeError(f"the CPU kernels for --quant gguf are unavailable: {reason} "
+                                   f"(or run with --quant int4: torch's kernels, slower)")
         if cpu_gemv.available():  # a bad EDGE_RUNTIME_ISA is a one-line error now, not a failure mid-answer
             from kernels import cpu_qgemm
 

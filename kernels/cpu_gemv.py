@@ -167,7 +167,8 @@ def _load() -> tuple[_Library | None, str]:
     try:
         return _Library(build()), ""
     except FileNotFoundError:
-        return None, "gcc not found"
+        return None, ("gcc not found: the CPU kernels are built on first use; install a C compiler "
+                      "(Debian/Ubuntu: apt-get install gcc; macOS: xcode-select --install)")
     except (RuntimeError, OSError, subprocess.SubprocessError) as e:
         return None, f"cpu_gemv build or load failed: {e}"
 

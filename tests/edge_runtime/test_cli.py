@@ -175,3 +175,17 @@ def test_arith_flag_applies_and_is_refused_where_it_does_not():
         p = run(*argv, timeout=120)
         assert p.returncode == 2, (argv, p.stderr)
         assert p.stderr.strip().splitlines()[-1].startswith("edge-runtime: error: --arith"), p.stderr
+
+
+def test_a_missing_compiler_is_a_one_line_error_naming_the_fix(tmp_path):
+    """No gcc on PATH and no cached build: the GGUF kernels cannot be built, and the command says so in one
+    line with the fix, instead of running slowly without them."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    env = dict(os.environ, PATH=str(bin_dir), EDGE_RUNTIME_CACHE=str(tmp_path / "cache"))
+    p = subprocess.run([sys.executable, "-m", "edge_runtime", "generate", "--max-tokens", "2", "Hi"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 2, p.stderr
+    line = p.stderr.strip().splitlines()[-1]
+    assert line.startswith("edge-runtime: error: the CPU kernels") and "install a C compiler" in line
+    assert "--quant int4" in line
