@@ -53,6 +53,7 @@ class NativeRunner:
         self.cached_ids: list[int] = []  # its tokens whose K/V are in the cache, in order
         self.last_hidden: torch.Tensor | None = None  # set by prefill()
         self.hidden_rows: torch.Tensor | None = None  # [T, dim]: set by step() and verify(), one row per token
+        self._cache_arith = self._arith()  # the GEMV arithmetic the prefix cache's K/V were computed with
 
     def tokenize(self, text: str, special: bool = True) -> list[int]:
         return self.tokenizer.encode(text, special=special)
@@ -71,9 +72,18 @@ class NativeRunner:
         self._release()
         self.blocks.reset_prefix_cache()
 
+    @staticmethod
+    def _arith() -> str:
+        from kernels import cpu_gemv
+
+        return cpu_gemv.arith()
+
     def _start(self, token_ids: list[int]) -> int:
         """A new sequence for this prompt; returns how many leading tokens the prefix cache already holds."""
         self._release()
+        if self._arith() != self._cache_arith:  # cached K/V made by the other arithmetic are not this one's
+            self.blocks.reset_prefix_cache()
+            self._cache_arith = self._arith()
         self.seq = next(self._seq_ids)
         cached = self.blocks.allocate(self.seq, token_ids)
         if cached is None:  # only the prompt itself can be too big: nothing else is live

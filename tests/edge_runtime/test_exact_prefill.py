@@ -98,3 +98,22 @@ def test_every_isa_variant_gives_the_same_logits(model_and_ids):
         cpu_qgemm.select(old)
     for v, got in runs.items():
         assert torch.equal(got, runs["portable"]), v
+
+
+def test_the_prefix_cache_does_not_mix_arithmetics(model_path, prose):
+    """K/V cached under --arith exact are not reused by an int8 request (and back): switching the arithmetic
+    at run time empties the prefix cache, so each answer is its own arithmetic's cold answer."""
+    from edge_runtime.backends.native import NativeBackend
+
+    runner = NativeBackend(model_path, n_ctx=512).runner
+    ids = runner.tokenize(prose, special=False)[:100]
+    runner.reset()
+    cold_int8 = runner.prefill(ids)
+    cpu_gemv.set_arith("exact")
+    try:
+        exact = runner.prefill(ids)
+        assert runner.prefix_cache_stats["num_hit_tokens"] == 0
+    finally:
+        cpu_gemv.set_arith("int8")
+    again = runner.prefill(ids)
+    assert not torch.equal(exact, cold_int8) and torch.equal(again, cold_int8)
