@@ -71,9 +71,6 @@ typedef struct {
 ALWAYS_INLINE float fp16_to_fp32(const uint8_t* p) {
     uint16_t h;
     memcpy(&h, p, 2);
-#ifdef QG_X86
-    return _cvtsh_ss(h); /* exact, as the bit manipulation below */
-#endif
     const uint32_t e = (h >> 10) & 0x1F, m = h & 0x3FF;
     float f;
     if (e == 0) { /* zero or subnormal: m * 2^-24, exact */
@@ -142,14 +139,10 @@ ALWAYS_INLINE void q4k_scale_min(const uint8_t* s, int j, int* sc, int* mn) {
     }
 }
 
+#ifndef QG_X86 /* ---- portable C and NEON: a group unpacked into memory, then the dots and the epilogue ---- */
 /* 16 bytes of nibbles -> 32 codes: byte i holds code i (low) and code i + 16 (high). */
 ALWAYS_INLINE void nibbles16(const uint8_t* qs, uint8_t* u) {
-#ifdef QG_X86 /* NOTE: one 32-byte store, so the 32-byte load in dots8 is forwarded from it */
-    const __m128i v = _mm_loadu_si128((const __m128i*)qs), m4 = _mm_set1_epi8(0x0F);
-    _mm256_store_si256((__m256i*)u, _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4)));
-#else
     for (int i = 0; i < 16; i++) { u[i] = qs[i] & 0xF; u[i + 16] = qs[i] >> 4; }
-#endif
 }
 
 /* Blocks g * 8 .. g * 8 + nvalid - 1 of one row (for Q4_K: super-block g, always 8 sub-blocks). */
@@ -162,13 +155,7 @@ ALWAYS_INLINE void unpack_group(const uint8_t* row, int g, int nvalid, const int
             q4k_scale_min(blk + 4, t, &sc, &mn);
             const uint8_t* qs = blk + 16 + 32 * (t / 2);
             const int shift = 4 * (t & 1);
-#ifdef QG_X86
-            const __m256i v = _mm256_loadu_si256((const __m256i*)qs);
-            __m256i c = shift ? _mm256_srli_epi16(v, 4) : v;
-            _mm256_store_si256((__m256i*)(w->u + t * QK), _mm256_and_si256(c, _mm256_set1_epi8(0x0F)));
-#else
             for (int i = 0; i < QK; i++) w->u[t * QK + i] = (qs[i] >> shift) & 0xF;
-#endif
             w->dw[t] = d;
             w->sc[t] = sc;
             w->mw[t] = dmin * (float)mn;
@@ -190,12 +177,6 @@ ALWAYS_INLINE void unpack_group(const uint8_t* row, int g, int nvalid, const int
         w->mw[t] = KIND == K_Q4_1 ? fp16_to_fp32(blk + 2) : 0.0f;
         w->sc[t] = 1;
         if (KIND == K_Q8_0) {
-#ifdef QG_X86
-            const __m256i v = _mm256_loadu_si256((const __m256i*)(blk + 2));
-            _mm256_store_si256((__m256i*)(w->sg + t * QK), v);
-            _mm256_store_si256((__m256i*)(w->u + t * QK), _mm256_abs_epi8(v));
-            continue;
-#endif
             memcpy(w->sg + t * QK, blk + 2, QK);
             for (int i = 0; i < QK; i++) {
                 const int v = (int8_t)blk[2 + i];
@@ -208,6 +189,7 @@ ALWAYS_INLINE void unpack_group(const uint8_t* row, int g, int nvalid, const int
 }
 
 /* ---- the integer dot products: isum[b] = sum_i code[b][i] * q_x[b][i] for the 8 blocks ---- */
+#endif
 
 #ifdef QG_X86
 /* u8 x s8 over one 32-value block -> 8 int32 partial sums (exact: |pair| <= 2 * 255 * 127 needs the
@@ -231,18 +213,10 @@ ALWAYS_INLINE __m256i reduce8(const __m256i* p) {
 }
 #endif
 
+#ifndef QG_X86
 /* isum[b] for b < nvalid (0 beyond). */
 ALWAYS_INLINE void dots8(const wgroup* w, const int8_t* xq, const int KIND, int nvalid, int32_t* isum) {
-#if defined(QG_X86)
-    __m256i p[GROUP];
-    for (int b = nvalid; b < GROUP; b++) p[b] = _mm256_setzero_si256();
-    for (int b = 0; b < nvalid; b++) {
-        __m256i x = _mm256_loadu_si256((const __m256i*)(xq + b * QK));
-        if (KIND == K_Q8_0) x = _mm256_sign_epi8(x, _mm256_load_si256((const __m256i*)(w->sg + b * QK)));
-        p[b] = dot_block(_mm256_load_si256((const __m256i*)(w->u + b * QK)), x);
-    }
-    _mm256_storeu_si256((__m256i*)isum, reduce8(p));
-#elif defined(QG_NEON)
+#if defined(QG_NEON)
     for (int b = nvalid; b < GROUP; b++) isum[b] = 0;
     for (int b = 0; b < nvalid; b++) {
         const int8x16_t x0 = vld1q_s8(xq + b * QK), x1 = vld1q_s8(xq + b * QK + 16);
@@ -272,22 +246,6 @@ ALWAYS_INLINE void dots8(const wgroup* w, const int8_t* xq, const int KIND, int 
 /* acc[l] += c_l for the blocks l < nvalid of one group and one row of x (the formulas at the top). */
 ALWAYS_INLINE void accumulate(const wgroup* w, const int32_t* isum, const float* dx, const int32_t* sx,
                               const float* sxf, const int KIND, int nvalid, float* acc) {
-#if defined(QG_X86)
-    __m256i is = _mm256_loadu_si256((const __m256i*)isum);
-    if (KIND == K_Q4_0) is = _mm256_sub_epi32(is, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)sx), 3));
-    if (KIND == K_Q4_K) is = _mm256_mullo_epi32(is, _mm256_loadu_si256((const __m256i*)w->sc));
-    __m256 c = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(w->dw), _mm256_loadu_ps(dx)), _mm256_cvtepi32_ps(is));
-    if (KIND == K_Q4_1) c = _mm256_add_ps(c, _mm256_mul_ps(_mm256_loadu_ps(w->mw), _mm256_loadu_ps(sxf)));
-    if (KIND == K_Q4_K) c = _mm256_sub_ps(c, _mm256_mul_ps(_mm256_loadu_ps(w->mw), _mm256_loadu_ps(sxf)));
-    const __m256 a = _mm256_loadu_ps(acc), sum = _mm256_add_ps(a, c);
-    if (nvalid == GROUP) {
-        _mm256_storeu_ps(acc, sum);
-    } else { /* lanes past the last block keep their value (not + 0.0: -0.0 stays -0.0) */
-        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-        const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nvalid), lane));
-        _mm256_storeu_ps(acc, _mm256_blendv_ps(a, sum, keep));
-    }
-#else
     for (int l = 0; l < nvalid; l++) {
         int32_t i = isum[l];
         if (KIND == K_Q4_0) i -= 8 * sx[l];
@@ -297,8 +255,9 @@ ALWAYS_INLINE void accumulate(const wgroup* w, const int32_t* isum, const float*
         if (KIND == K_Q4_K) c = c - w->mw[l] * sxf[l];
         acc[l] = acc[l] + c;
     }
-#endif
 }
+
+#endif
 
 ALWAYS_INLINE float lanes_sum(const float* a) {
     return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
@@ -318,6 +277,7 @@ typedef struct {
     int8_t* xi; float* di; int32_t* si; float* sfi;
 } qg_args;
 
+#ifndef QG_X86
 /* Rows [n0, n1) of W against every row of x. */
 ALWAYS_INLINE void rows(const qg_args* a, int n0, int n1, const int KIND) {
     const int nb = KIND == K_Q4_K ? a->ngroups * GROUP : a->K / QK;
@@ -333,10 +293,6 @@ ALWAYS_INLINE void rows(const qg_args* a, int n0, int n1, const int KIND) {
                 memset(acc, 0, sizeof(float) * GROUP * mc);
                 for (int g = 0; g < a->ngroups; g++) {
                     const int nvalid = nb - g * GROUP < GROUP ? nb - g * GROUP : GROUP;
-#ifdef QG_X86
-                    for (int c = 0; c < GROUP * (KIND == K_Q4_K ? 144 : KIND == K_Q8_0 ? 34 : 20); c += 64)
-                        _mm_prefetch((const char*)row + (size_t)g * GROUP * 20 + PREFETCH_BYTES + c, _MM_HINT_T0);
-#endif
                     unpack_group(row, g, nvalid, KIND, &w);
                     for (int m = 0; m < mc; m++) {
                         const size_t xb = (size_t)(m0 + m) * a->nbp + (size_t)g * GROUP;
@@ -350,7 +306,7 @@ ALWAYS_INLINE void rows(const qg_args* a, int n0, int n1, const int KIND) {
     }
 }
 
-#ifdef QG_X86
+#else
 /* The x86 form of `rows`: the same arithmetic, with a group's 8 blocks of codes held in registers
  * (Q8_0: the signed codes; |w| and the sign move to x per row of x) and its parameters as vectors. */
 ALWAYS_INLINE void load_group(const uint8_t* row, int g, int nvalid, const int KIND, __m256i* u, __m256* dw,
