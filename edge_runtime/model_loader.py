@@ -94,11 +94,12 @@ def _packed_cache_file(gf: GGUFFile, quant: str, head_quant: str | None) -> str:
     h = hashlib.sha256(f"{os.path.abspath(gf.path)}|{st.st_size}|{st.st_mtime_ns}|{quant}|{head_quant}|"
                        f"{torch.__version__}".encode())
     import kernels.gguf_blocks
+    import kernels.int4_layout
     import kernels.quant_linear
 
     from . import model as model_module
 
-    for mod in (kernels.quant_linear, kernels.gguf_blocks, model_module):
+    for mod in (kernels.quant_linear, kernels.int4_layout, kernels.gguf_blocks, model_module):
         with open(mod.__file__, "rb") as f:
             h.update(f.read())
     with open(__file__, "rb") as f:

@@ -40,15 +40,16 @@ fuse and which mode each gets. Block decoding lives in `gguf_blocks`.
 """
 from __future__ import annotations
 
-import functools
-from typing import NamedTuple
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import nn
 
+from .int4_layout import CPU_LAYOUTS, Int4CpuLayout  # noqa: F401 (re-exported)
+from .int4_layout import cpu_layout as _cpu_layout
+from .int4_layout import pack as _pack_int4_cpu_direct
+from .int4_layout import unpack as _unpack_int4_cpu
 from .gguf_blocks import GROUP_SIZE, INT4_EXACT_TYPES, as_rows, check_supported, dequantize, int4_groups, q8_0_blocks
 
 T = GGMLQuantizationType
@@ -63,74 +64,6 @@ def _numpy_to_bf16(a: np.ndarray) -> torch.Tensor:
     rounded = ((bits + (np.uint32(0x7FFF) + ((bits >> 16) & 1))) >> 16).astype(np.uint16)
     rounded[np.isnan(a)] = 0x7FC0  # keep NaN a NaN (the carry could turn it into inf)
     return torch.from_numpy(rounded).view(torch.bfloat16)
-
-
-class Int4CpuLayout(NamedTuple):
-    """A byte layout of torch's CPU int4 kernel: `_convert_weight_to_int4pack_for_cpu` writes, and
-    `_weight_int4pack_mm_for_cpu` reads, the one of the CPU capability ATen dispatches to at run
-    time (AVX2, AVX-512, none: see `torch.backends.cpu.get_cpu_capability`, ATEN_CPU_CAPABILITY).
-
-    Packed uint8 [N, K/2]: rows in blocks of `block_n`, the last one possibly shorter; block i
-    (nb rows) fills the next nb * K/2 bytes, K-major: byte (k, j) holds two rows' codes at column
-    k, the first in its low nibble.
-    """
-
-    block_n: int  # 4 x the floats in one vector register: 32 (AVX2, non-vectorized), 64 (AVX-512)
-    split: bool  # a full block's byte j pairs rows j and j + block_n/2 (the AVX2 and AVX-512
-    #              kernels); otherwise, and in a shorter last block, rows 2j and 2j + 1
-
-
-# ATen's AVX2, AVX-512 and non-vectorized kernels (the last: also 512-bit vectors without AVX-512 code).
-CPU_LAYOUTS = (Int4CpuLayout(32, True), Int4CpuLayout(64, True), Int4CpuLayout(32, False), Int4CpuLayout(64, False))
-
-
-def _segments(num_rows: int, layout: Int4CpuLayout) -> list[tuple[int, int, int, bool]]:
-    """(first row, number of blocks, rows per block, split) of the full blocks and the shorter last one."""
-    b, tail = layout.block_n, num_rows % layout.block_n
-    segments = [(0, num_rows // b, b, layout.split)] if num_rows >= b else []
-    return segments + ([(num_rows - tail, 1, tail, False)] if tail else [])
-
-
-def _pack_int4_cpu_direct(codes: np.ndarray, layout: Int4CpuLayout) -> torch.Tensor:
-    """uint8 codes [N, K] (0..15, N % 16 == 0) -> packed uint8 [N, K/2] in `layout`.
-
-    The same bytes as `_convert_weight_to_int4pack_for_cpu` when `layout` is its layout (checked
-    once per process), without the op's int32 input: the default model packs in ~0.3 s, not 1.5-2.5 s.
-    """
-    n, k = codes.shape
-    packed = np.empty((n, k // 2), dtype=np.uint8)
-    flat = packed.reshape(-1)
-    for row, num_blocks, nb, split in _segments(n, layout):  # numpy: single-threaded, cheap here
-        rows = codes[row:row + num_blocks * nb].reshape(num_blocks, nb, k)
-        # lo, hi: [blocks, nb/2, K]
-        lo, hi = (rows[:, :nb // 2], rows[:, nb // 2:]) if split else (rows[:, 0::2], rows[:, 1::2])
-        dst = flat[row * k // 2:(row + num_blocks * nb) * k // 2].reshape(num_blocks, k, nb // 2)
-        np.bitwise_or(lo.transpose(0, 2, 1), hi.transpose(0, 2, 1) << 4, out=dst)
-    return torch.from_numpy(packed)
-
-
-def _unpack_int4_cpu(packed: torch.Tensor, num_rows: int, num_cols: int, layout: Int4CpuLayout) -> torch.Tensor:
-    """The inverse of `_pack_int4_cpu_direct`: packed uint8 [N, K/2] -> codes uint8 [N, K]."""
-    flat, parts = packed.reshape(-1), []
-    for row, num_blocks, nb, split in _segments(num_rows, layout):
-        blocks = flat[row * num_cols // 2:(row + num_blocks * nb) * num_cols // 2].view(num_blocks, num_cols, nb // 2)
-        lo, hi = blocks & 15, blocks >> 4
-        codes = torch.cat([lo, hi], dim=2) if split else torch.stack([lo, hi], dim=3)  # [blocks, K, nb(/2, 2)]
-        parts.append(codes.reshape(num_blocks, num_cols, nb).transpose(1, 2).reshape(num_blocks * nb, num_cols))
-    return torch.cat(parts) if len(parts) > 1 else parts[0]
-
-
-@functools.cache
-def _cpu_layout() -> Int4CpuLayout | str:
-    """The layout of torch's CPU int4 kernel in this process: the one of `CPU_LAYOUTS` whose
-    packing equals aten's on probe matrices (full and shorter blocks), else a tag naming the build."""
-    gen = torch.Generator().manual_seed(0)
-    probes = [torch.randint(0, 16, (n, 96), dtype=torch.int32, generator=gen) for n in (16, 48, 96, 176)]
-    wants = [_aten._convert_weight_to_int4pack_for_cpu(p, 1) for p in probes]
-    for layout in CPU_LAYOUTS:
-        if all(torch.equal(_pack_int4_cpu_direct(p.to(torch.uint8).numpy(), layout), w) for p, w in zip(probes, wants)):
-            return layout
-    return f"aten {torch.__version__} {torch.backends.cpu.get_cpu_capability()}"
 
 
 def _cuda_inner_k_tiles(in_features: int, out_features: int) -> int | None:

@@ -18,8 +18,8 @@ import torch
 import kernels.quant_linear as quant_linear
 from edge_runtime.errors import UnsupportedModelError
 from kernels.gguf_blocks import dequantize_rows, int4_groups, q8_0_blocks
-from kernels.quant_linear import (CPU_LAYOUTS, MODES, Int4CpuLayout, _cpu_layout, _pack_int4_cpu_direct,
-                                  _unpack_int4_cpu, pack_embedding, pack_weight, reference_linear)
+from kernels.quant_linear import MODES, _cpu_layout, pack_embedding, pack_weight, reference_linear
+from tests.kernels.test_int4_layout import ATEN_LAYOUTS
 
 T = gguf.GGMLQuantizationType
 ALL_TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K]
@@ -96,50 +96,6 @@ def test_int4_repack_keeps_codes_and_rounds_only_scales(qtype):
     # identity input: the kernel itself reproduces the weight (rounded to bf16 on output)
     eye = torch.eye(cols)
     torch.testing.assert_close(lin(eye).t(), want.to(torch.bfloat16).float(), rtol=0, atol=0)
-
-
-def aten_int4_pack_loop(codes, capability):
-    """Plain reference: ATen's `weight_to_int4pack_kernel` (native/cpu/int4mm_kernel.cpp), loop by loop."""
-    n, k = codes.shape
-    block_n = 64 if capability == "avx512" else 32
-    out = np.zeros(n * k // 2, np.uint8)
-    for i in range(-(-n // block_n)):
-        nb, src, dst = min(block_n, n - i * block_n), codes[i * block_n:], i * k * block_n // 2
-        for kk in range(k):
-            if capability == "avx512" and nb == block_n:
-                for d in range(16):
-                    out[dst + kk * 32 + d] = src[d + 32, kk] << 4 | src[d, kk]
-                    out[dst + kk * 32 + 16 + d] = src[d + 48, kk] << 4 | src[d + 16, kk]
-            elif capability == "avx2" and nb == block_n:
-                for d in range(16):
-                    out[dst + kk * 16 + d] = src[d + 16, kk] << 4 | src[d, kk]
-            else:  # shorter last block, or the non-vectorized kernel
-                for j in range(0, nb, 2):
-                    out[dst + kk * nb // 2 + j // 2] = src[j + 1, kk] << 4 | src[j, kk]
-    return out.reshape(n, k // 2)
-
-
-ATEN_LAYOUTS = {"avx2": Int4CpuLayout(32, True), "avx512": Int4CpuLayout(64, True), "default": Int4CpuLayout(32, False)}
-
-
-@pytest.mark.parametrize("capability", ATEN_LAYOUTS)
-@pytest.mark.parametrize("rows", [16, 48, 96, 176])
-def test_cpu_layouts_match_aten_loop(capability, rows):
-    codes = np.random.default_rng(rows).integers(0, 16, (rows, 64), dtype=np.uint8)
-    layout = ATEN_LAYOUTS[capability]
-    packed = _pack_int4_cpu_direct(codes, layout)
-    assert np.array_equal(packed.numpy(), aten_int4_pack_loop(codes, capability))
-    assert torch.equal(_unpack_int4_cpu(packed, rows, 64, layout), torch.from_numpy(codes))
-
-
-@pytest.mark.parametrize("rows", [16, 48, 96, 3072])
-def test_cpu_packing_matches_aten(rows):
-    layout = _cpu_layout()
-    assert layout in CPU_LAYOUTS, f"no fast int4 packing on this torch build: {layout}"
-    codes = torch.randint(0, 16, (rows, 576), dtype=torch.int32)
-    want = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-    assert torch.equal(_pack_int4_cpu_direct(codes.to(torch.uint8).numpy(), layout), want)
-    assert torch.equal(_unpack_int4_cpu(want, rows, 576, layout), codes.to(torch.uint8))
 
 
 def test_unknown_cpu_layout_uses_torch_packer(monkeypatch, tmp_path):
