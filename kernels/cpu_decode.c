@@ -199,24 +199,20 @@ static inline float dot(const float* a, const float* b, int n) {
     return d;
 }
 
-/* qkv: [nh*hd | nkv*hd | nkv*hd] for one token at position pos. Applies rotate-half RoPE
- * (cos/sin rows of length hd) to q and k, writes k and v into the paged cache at pos, and attends
- * every query head over positions 0..pos of its KV head (query head h uses KV head h / (nh / nkv)).
- * NOTE: the pools are walked in memory order (block by block, token by token, all KV heads of a
- * token together), each row read once for all the query heads of its KV head: between layers the
- * GEMVs evict the cache, and a head-by-head walk would pull every line from memory once per head.
- * out: [nh * hd]. scores: scratch [nh * (pos + 1)]. nh * hd <= 8192. */
-/* phase: STORE writes this token's k and v into the cache, ATTEND attends (both: one token's step). */
-enum { STORE = 1, ATTEND = 2 };
-
-static void rope_attend(const float* qkv, int nh, int nkv, int hd, const float* cos_row, const float* sin_row,
-                        const paged_kv* kv, int pos, float scale, float* out, float* scores, int phase, int j0,
-                        int j1) {
-    const int half = hd / 2, group = nh / nkv, bs = kv->bs, n = pos + 1;
+/* qkv: [nh*hd | nkv*hd | nkv*hd] for one token at position pos. kv_store_token applies rotate-half RoPE
+ * (cos/sin rows of length hd) to its k and writes k and v into the paged cache at pos; attend_head then
+ * attends one query head h over positions 0..pos of its KV head (h / (nh / nkv)). Every query head is
+ * its own unit of work with the same operations whoever runs it, so the threads may split a step's
+ * (row, head) units any way. A KV head's rows are walked once per query head: the group's heads run
+ * one after another on a thread, so the second and third walks hit the cache, and the first is
+ * prefetched ahead (between layers the GEMVs evict the cache). nh * hd <= 8192, hd <= 512. */
+static void kv_store_token(const float* qkv, int nh, int nkv, int hd, const float* cos_row, const float* sin_row,
+                           const paged_kv* kv, int pos) {
+    const int half = hd / 2, bs = kv->bs;
     const float* v = qkv + (nh + nkv) * hd;
     const size_t wslot = (size_t)kv->table[pos / bs] * bs + pos % bs;
-    float row[512], q[8192];
-    for (int j = 0; j < nkv && (phase & STORE); j++) {  /* k with RoPE, v as is, into the cache */
+    float row[512];
+    for (int j = 0; j < nkv; j++) {  /* k with RoPE, v as is, into the cache */
         const float* k = qkv + (nh + j) * hd;
         for (int i = 0; i < half; i++) {
             row[i] = k[i] * cos_row[i] - k[i + half] * sin_row[i];
@@ -225,57 +221,161 @@ static void rope_attend(const float* qkv, int nh, int nkv, int hd, const float* 
         kv_store(kv->k, kv->ks, kv->kind, kv->rotated, wslot, nkv, j, hd, row);
         kv_store(kv->v, kv->vs, kv->kind, kv->rotated, wslot, nkv, j, hd, v + j * hd);
     }
-    if (!(phase & ATTEND)) return;
-    const int h0 = j0 * group, h1 = j1 * group; /* ATTEND: the query heads of KV heads j0 .. j1 - 1 */
-    for (int h = h0; h < h1; h++) {  /* queries with RoPE, scaled, in the stored basis */
-        const float* qs = qkv + h * hd;
-        float* qh = q + h * hd;
-        for (int i = 0; i < half; i++) {
-            qh[i] = (qs[i] * cos_row[i] - qs[i + half] * sin_row[i]) * scale;
-            qh[i + half] = (qs[i + half] * cos_row[i + half] + qs[i] * sin_row[i + half]) * scale;
+}
+
+#define KV_PREFETCH 6 /* rows ahead */
+
+static inline void kv_prefetch(const void* pool, int kind, size_t slot, int nkv, int j, int hd) {
+    const size_t bytes = kind == KV_F32 ? 4 : kind == KV_I8 ? 1 : 2;
+    const char* p = (const char*)pool + (slot * nkv + j) * hd * bytes;
+    for (size_t o = 0; o < hd * bytes; o += 64) __builtin_prefetch(p + o);
+}
+
+#if defined(__AVX2__) && defined(__F16C__)
+/* exp_ieee on 8 lanes: the same IEEE operations in the same order (the clamps as max / min: no NaN here) */
+static inline __m256 exp8_ieee(__m256 x) {
+    const __m256 magic = _mm256_set1_ps(12582912.0f);
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.72283f));
+    const __m256 nf = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), magic), magic);
+    const __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(nf, _mm256_set1_ps(0.693145752f))),
+                                   _mm256_mul_ps(nf, _mm256_set1_ps(1.42860677e-06f)));
+    __m256 p = _mm256_set1_ps(1.38888889e-3f);
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.33333333e-3f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.16666667e-2f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.66666667e-1f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(0.5f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.0f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.0f));
+    const __m256i n = _mm256_cvttps_epi32(nf), n1 = _mm256_srai_epi32(n, 1), n2 = _mm256_sub_epi32(n, n1);
+    const __m256i bias = _mm256_set1_epi32(127);
+    const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+    const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+}
+
+/* dot(q, k_s) for 8 positions at once (hd = 64, fp16 rows): lane l of acc[s] is dot's acc[l], and the
+ * hadd / cross-lane steps below form dot's tree ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)). */
+static inline __m256 dot8_f16_64(const __m256* q, const uint16_t* const* k) {
+    __m256 a[8];
+    for (int s = 0; s < 8; s++) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int c = 0; c < 8; c++)
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(q[c], _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(k[s] + 8 * c)))));
+        a[s] = acc;
+    }
+    const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
+}
+
+/* attend_head_hd for hd = 64 and fp16 rows (the default cache), the same arithmetic with the scores of
+ * 8 positions, their exps and the output row kept in registers. q: the prepared query. */
+static void attend_f16_64(const float* q, const paged_kv* kv, int nkv, int j, int n, float* sc, float* out) {
+    const int bs = kv->bs;
+    const uint16_t* pool = (const uint16_t*)kv->k;
+#define ROW(p, s) ((p) + (((size_t)kv->table[(s) / bs] * bs + (s) % bs) * nkv + j) * 64)
+    __m256 qv[8];
+    for (int c = 0; c < 8; c++) qv[c] = _mm256_loadu_ps(q + 8 * c);
+    int s = 0;
+    for (; s + 8 <= n; s += 8) {
+        const uint16_t* k[8];
+        for (int i = 0; i < 8; i++) {
+            k[i] = ROW(pool, s + i);
+            if (s + i + 8 < n) { const char* p = (const char*)ROW(pool, s + i + 8); __builtin_prefetch(p); __builtin_prefetch(p + 64); }
         }
-        if (kv->rotated) hadamard_rotate(qh, hd);
+        _mm256_storeu_ps(sc + s, dot8_f16_64(qv, k));
     }
-    for (int s0 = 0, b = 0; s0 < n; s0 += bs, b++) {  /* scores [nh, n] */
-        const size_t base = (size_t)kv->table[b] * bs;
-        const int cnt = n - s0 < bs ? n - s0 : bs;
-        for (int t = 0; t < cnt; t++)
-            for (int j = j0; j < j1; j++) {
-                const float* kr = kv_row(kv->k, kv->ks, kv->kind, base + t, nkv, j, hd, row);
-                for (int g = 0; g < group; g++) scores[(j * group + g) * n + s0 + t] = dot(q + (j * group + g) * hd, kr, hd);
-            }
+    for (; s < n; s++) {
+        float row[64];
+        kv_load(kv->k, NULL, KV_F16, (size_t)kv->table[s / bs] * bs + s % bs, nkv, j, 64, row);
+        sc[s] = dot(q, row, 64);
     }
-    float inv[1024];
-    for (int h = h0; h < h1; h++) {
-        float* sc = scores + (size_t)h * n;
-        float mx = -INFINITY, sum = 0.0f;
-        for (int s = 0; s < n; s++) mx = sc[s] > mx ? sc[s] : mx;
-        for (int s = 0; s < n; s++) sc[s] = exp_ieee(sc[s] - mx);
-        for (int s = 0; s < n; s++) sum += sc[s];
-        inv[h] = 1.0f / sum;
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    for (s = 0; s + 8 <= n; s += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sc + s));
+    float m8[8], mx = -INFINITY, sum = 0.0f;
+    _mm256_storeu_ps(m8, mv);
+    for (int i = 0; i < 8; i++) mx = m8[i] > mx ? m8[i] : mx;
+    for (; s < n; s++) mx = sc[s] > mx ? sc[s] : mx;
+    const __m256 mxv = _mm256_set1_ps(mx);
+    for (s = 0; s + 8 <= n; s += 8) _mm256_storeu_ps(sc + s, exp8_ieee(_mm256_sub_ps(_mm256_loadu_ps(sc + s), mxv)));
+    for (; s < n; s++) sc[s] = exp_ieee(sc[s] - mx);
+    for (s = 0; s < n; s++) sum += sc[s];
+    const float inv = 1.0f / sum;
+    pool = (const uint16_t*)kv->v;
+    __m256 o[8];
+    for (int c = 0; c < 8; c++) o[c] = _mm256_setzero_ps();
+    for (s = 0; s < n; s++) {
+        const uint16_t* v = ROW(pool, s);
+        if (s + 8 < n) { const char* p = (const char*)ROW(pool, s + 8); __builtin_prefetch(p); __builtin_prefetch(p + 64); }
+        const __m256 p = _mm256_set1_ps(sc[s] * inv);
+        for (int c = 0; c < 8; c++)
+            o[c] = _mm256_add_ps(o[c], _mm256_mul_ps(p, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(v + 8 * c)))));
     }
-    for (int i = h0 * hd; i < h1 * hd; i++) out[i] = 0.0f;
-    for (int s0 = 0, b = 0; s0 < n; s0 += bs, b++) {  /* probabilities times V */
-        const size_t base = (size_t)kv->table[b] * bs;
-        const int cnt = n - s0 < bs ? n - s0 : bs;
-        for (int t = 0; t < cnt; t++)
-            for (int j = j0; j < j1; j++) {
-                const float* vr = kv_row(kv->v, kv->vs, kv->kind, base + t, nkv, j, hd, row);
-                for (int g = 0; g < group; g++) {
-                    const int h = j * group + g;
-                    const float p = scores[(size_t)h * n + s0 + t] * inv[h];
-                    float* o = out + h * hd;
-                    for (int i = 0; i < hd; i++) o[i] += p * vr[i];
-                }
-            }
+#undef ROW
+    for (int c = 0; c < 8; c++) _mm256_storeu_ps(out + 8 * c, o[c]);
+}
+#endif
+
+/* scores sc[pos + 1] (scratch), out[hd]; HD: hd as a compile-time constant where it is 64. */
+static inline __attribute__((always_inline)) void attend_head_hd(const float* qkv, int nh, int nkv, const int HD,
+                                                                  const float* cos_row, const float* sin_row,
+                                                                  const paged_kv* kv, int pos, float scale, int h,
+                                                                  float* out, float* sc) {
+    const int half = HD / 2, j = h / (nh / nkv), bs = kv->bs, n = pos + 1;
+    float row[512], q[512], o[512];
+    const float* qs = qkv + h * HD;
+    for (int i = 0; i < half; i++) {  /* the query with RoPE, scaled, in the stored basis */
+        q[i] = (qs[i] * cos_row[i] - qs[i + half] * sin_row[i]) * scale;
+        q[i + half] = (qs[i + half] * cos_row[i + half] + qs[i] * sin_row[i + half]) * scale;
     }
-    if (kv->rotated)
-        for (int h = h0; h < h1; h++) hadamard_rotate(out + h * hd, hd);  /* back to the model's basis */
+    if (kv->rotated) hadamard_rotate(q, HD);
+#if defined(__AVX2__) && defined(__F16C__)
+    if (HD == 64 && kv->kind == KV_F16) {
+        attend_f16_64(q, kv, nkv, j, n, sc, out);
+        return;
+    }
+#endif
+    for (int s = 0; s < n; s++) {
+        const size_t slot = (size_t)kv->table[s / bs] * bs + s % bs;
+        if (s + KV_PREFETCH < n) {
+            const int a = s + KV_PREFETCH;
+            kv_prefetch(kv->k, kv->kind, (size_t)kv->table[a / bs] * bs + a % bs, nkv, j, HD);
+        }
+        sc[s] = dot(q, kv_row(kv->k, kv->ks, kv->kind, slot, nkv, j, HD, row), HD);
+    }
+    float mx = -INFINITY, sum = 0.0f;
+    for (int s = 0; s < n; s++) mx = sc[s] > mx ? sc[s] : mx;
+    for (int s = 0; s < n; s++) sc[s] = exp_ieee(sc[s] - mx);
+    for (int s = 0; s < n; s++) sum += sc[s];
+    const float inv = 1.0f / sum;
+    for (int i = 0; i < HD; i++) o[i] = 0.0f;
+    for (int s = 0; s < n; s++) {  /* probabilities times V */
+        const size_t slot = (size_t)kv->table[s / bs] * bs + s % bs;
+        if (s + KV_PREFETCH < n) {
+            const int a = s + KV_PREFETCH;
+            kv_prefetch(kv->v, kv->kind, (size_t)kv->table[a / bs] * bs + a % bs, nkv, j, HD);
+        }
+        const float* vr = kv_row(kv->v, kv->vs, kv->kind, slot, nkv, j, HD, row);
+        const float p = sc[s] * inv;
+        for (int i = 0; i < HD; i++) o[i] += p * vr[i];
+    }
+    if (kv->rotated) hadamard_rotate(o, HD);  /* back to the model's basis */
+    memcpy(out, o, sizeof(float) * HD);
+}
+
+static void attend_head(const float* qkv, int nh, int nkv, int hd, const float* cos_row, const float* sin_row,
+                        const paged_kv* kv, int pos, float scale, int h, float* out, float* sc) {
+    if (hd == 64)
+        attend_head_hd(qkv, nh, nkv, 64, cos_row, sin_row, kv, pos, scale, h, out, sc);
+    else
+        attend_head_hd(qkv, nh, nkv, hd, cos_row, sin_row, kv, pos, scale, h, out, sc);
 }
 
 void decode_rope_attend(const float* qkv, int nh, int nkv, int hd, const float* cos_row, const float* sin_row,
                         const paged_kv* kv, int pos, float scale, float* out, float* scores) {
-    rope_attend(qkv, nh, nkv, hd, cos_row, sin_row, kv, pos, scale, out, scores, STORE | ATTEND, 0, nkv);
+    kv_store_token(qkv, nh, nkv, hd, cos_row, sin_row, kv, pos);
+    for (int h = 0; h < nh; h++)
+        attend_head(qkv, nh, nkv, hd, cos_row, sin_row, kv, pos, scale, h, out + h * hd, scores + (size_t)h * (pos + 1));
 }
 
 /* gate_up: [2 * hidden] = [gate | up]; out[i] = silu(gate[i]) * up[i]. */
@@ -353,22 +453,21 @@ static int layers(int n_layers, int M, const int* dims, float eps, float scale, 
                                normed + (size_t)m * dim);
         if ((rc = gemv_of(lk[0], arith)(lw[0], n_qkv, dim, normed, M, qkv, nt))) return rc;
         /* every row's k/v first (for one sequence, later rows attend to them), then attention split over
-         * (row, KV head) units across the threads: each unit's arithmetic is the same however it is split */
+         * (row, query head) units across the threads: each unit's arithmetic is the same however it is split */
         for (int m = 0; m < M; m++) {
             paged_kv kv = {kv_pools[4 * l], kv_pools[4 * l + 1], (float*)kv_pools[4 * l + 2],
                            (float*)kv_pools[4 * l + 3], tables + (one_sequence ? 0 : (size_t)m * table_stride),
                            dims[7], dims[8], dims[9]};
-            rope_attend(qkv + (size_t)m * n_qkv, nh, nkv, hd, cos_rows[m], sin_rows[m], &kv, pos[m], scale, 0, 0, STORE,
-                        0, nkv);
+            kv_store_token(qkv + (size_t)m * n_qkv, nh, nkv, hd, cos_rows[m], sin_rows[m], &kv, pos[m]);
         }
-#pragma omp parallel for num_threads(nt > 1 && M * nkv > 1 ? nt : 1) schedule(dynamic, 1)
-        for (int u = 0; u < M * nkv; u++) {
-            const int m = u / nkv, j = u % nkv;
+#pragma omp parallel for num_threads(nt > 1 ? nt : 1) schedule(static)
+        for (int u = 0; u < M * nh; u++) {
+            const int m = u / nh, h = u % nh;
             paged_kv kv = {kv_pools[4 * l], kv_pools[4 * l + 1], (float*)kv_pools[4 * l + 2],
                            (float*)kv_pools[4 * l + 3], tables + (one_sequence ? 0 : (size_t)m * table_stride),
                            dims[7], dims[8], dims[9]};
-            rope_attend(qkv + (size_t)m * n_qkv, nh, nkv, hd, cos_rows[m], sin_rows[m], &kv, pos[m], scale,
-                        attn + (size_t)m * nh * hd, scores + (size_t)m * n_scores, ATTEND, j, j + 1);
+            attend_head(qkv + (size_t)m * n_qkv, nh, nkv, hd, cos_rows[m], sin_rows[m], &kv, pos[m], scale,
+                        h, attn + ((size_t)m * nh + h) * hd, scores + (size_t)m * n_scores + (size_t)h * (max_pos + 1));
         }
         if ((rc = gemv_of(lk[1], arith)(lw[1], dim, nh * hd, attn, M, o, nt))) return rc;
         for (int m = 0; m < M; m++)
