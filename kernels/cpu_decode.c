@@ -10,8 +10,14 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 /* If add != NULL: x += add (the residual). Then out = x * rsqrt(mean(x^2) + eps) * w. */
 void decode_add_rmsnorm(float* x, const float* add, const float* w, int dim, float eps, float* out) {
@@ -378,62 +384,92 @@ void decode_rope_attend(const float* qkv, int nh, int nkv, int hd, const float* 
         attend_head(qkv, nh, nkv, hd, cos_row, sin_row, kv, pos, scale, h, out + h * hd, scores + (size_t)h * (pos + 1));
 }
 
-/* gate_up: [2 * hidden] = [gate | up]; out[i] = silu(gate[i]) * up[i]. */
-void decode_silu_mul(const float* gate_up, int hidden, float* out) {
-    for (int i = 0; i < hidden; i++) {
+/* ---- one parallel region per step: a team of threads and its barrier ----------------------------- */
+
+extern int qgemm_team(const uint8_t*, int, int, int, int, const float*, int, float*, void*, int, int,
+                      void (*)(void*), void*);
+extern size_t qgemm_workspace(int, int);
+extern int gemv_team(const uint8_t*, int, int, int, const float*, int, float*, void*, int, int, void (*)(void*),
+                     void*);
+
+/* A barrier that spins (then yields) instead of sleeping: a step has ~11 barriers per layer, and OpenMP's
+ * own (a futex under OMP_WAIT_POLICY=PASSIVE) or a fork / join per GEMV costs more than the work
+ * between them. Generation counting: the last thread to arrive resets the count and bumps gen. */
+typedef struct {
+    atomic_int arrived, gen;
+    int n;
+} team_barrier;
+
+static void team_sync(void* p) {
+    team_barrier* b = (team_barrier*)p;
+    if (b->n <= 1) return;
+    const int g = atomic_load_explicit(&b->gen, memory_order_relaxed);
+    if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == b->n - 1) {
+        atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
+        atomic_store_explicit(&b->gen, g + 1, memory_order_release);
+        return;
+    }
+    for (long spins = 0; atomic_load_explicit(&b->gen, memory_order_acquire) == g; spins++) {
+        if (spins < (1 << 16)) {
+#if defined(__x86_64__)
+            _mm_pause();
+#elif defined(__aarch64__)
+            __asm__ __volatile__("yield");
+#endif
+        } else {
+            sched_yield(); /* the machine is oversubscribed: let the thread we wait for run */
+        }
+    }
+}
+
+/* y = x @ W.T for this thread's share. kind: a kind code, plus 16 for cpu_qgemm's packed layout;
+ * arith 0: fp32 activations (cpu_gemv.c, the exact path), 1: 8-bit activations (cpu_qgemm.c). */
+static int team_gemm(int kind, int arith, const uint8_t* w, int N, int K, const float* x, int M, float* y,
+                     void* ws, int t, team_barrier* b) {
+    if (arith) return qgemm_team(w, kind & 15, kind >= 16, N, K, x, M, y, ws, t, b->n, team_sync, b);
+    if (kind >= 16) return -3;
+    return gemv_team(w, kind, N, K, x, M, y, ws, t, b->n, team_sync, b);
+}
+
+/* Elements [i0, i1) of one row's silu(gate) * up (gate_up: [gate | up]). */
+static void silu_mul_range(const float* gate_up, int hidden, float* out, int i0, int i1) {
+    int i = i0;
+#if defined(__AVX2__) && defined(__F16C__)
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    for (; i + 8 <= i1; i += 8) {  /* silu's operations on 8 lanes */
+        const __m256 g = _mm256_loadu_ps(gate_up + i);
+        const __m256 e = exp8_ieee(_mm256_xor_ps(g, sign));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)),
+                                                _mm256_loadu_ps(gate_up + hidden + i)));
+    }
+#endif
+    for (; i < i1; i++) {
         const float g = gate_up[i];
         out[i] = g / (1.0f + exp_ieee(-g)) * gate_up[hidden + i];
     }
 }
 
-/* ---- the whole stack of layers for one token in one call ---------------------------------- */
-
-typedef int (*gemv_fn)(const uint8_t*, int, int, const float*, int, float*, int);
-extern int q4_0_gemv(const uint8_t*, int, int, const float*, int, float*, int);
-extern int q4_1_gemv(const uint8_t*, int, int, const float*, int, float*, int);
-extern int q8_0_gemv(const uint8_t*, int, int, const float*, int, float*, int);
-extern int q4_k_gemv(const uint8_t*, int, int, const float*, int, float*, int);
-
-extern int qgemm(const uint8_t*, int, int, int, const float*, int, float*, int);
-extern int qgemm_packed(const uint8_t*, int, int, int, const float*, int, float*, int);
-#define QGEMM_ENTRY(name, fn, code) \
-    static int name(const uint8_t* w, int N, int K, const float* x, int M, float* y, int nt) { \
-        return fn(w, code, N, K, x, M, y, nt > 0 ? nt : 1);                                     \
-    }
-QGEMM_ENTRY(q4_0_qgemm, qgemm, 0)
-QGEMM_ENTRY(q4_1_qgemm, qgemm, 1)
-QGEMM_ENTRY(q8_0_qgemm, qgemm, 8)
-QGEMM_ENTRY(q4_k_qgemm, qgemm, 4)
-QGEMM_ENTRY(q4_0_qgemm_packed, qgemm_packed, 0)
-QGEMM_ENTRY(q4_1_qgemm_packed, qgemm_packed, 1)
-QGEMM_ENTRY(q8_0_qgemm_packed, qgemm_packed, 8)
-
-/* arith 0: fp32 activations (cpu_gemv.c, the exact path); 1: 8-bit activations (cpu_qgemm.c). A kind code
- * plus 16 marks a weight in cpu_qgemm's packed layout (arith 1 only). */
-static gemv_fn gemv_of(int kind, int arith) {
-    if (arith && kind >= 16)
-        return kind == 16 ? q4_0_qgemm_packed : kind == 17 ? q4_1_qgemm_packed : kind == 24 ? q8_0_qgemm_packed : 0;
-    if (arith)
-        return kind == 0 ? q4_0_qgemm : kind == 1 ? q4_1_qgemm : kind == 8 ? q8_0_qgemm : kind == 4 ? q4_k_qgemm : 0;
-    return kind == 0 ? q4_0_gemv : kind == 1 ? q4_1_gemv : kind == 8 ? q8_0_gemv : kind == 4 ? q4_k_gemv : 0;
-}
+/* ---- the whole stack of layers for one step in one call ------------------------------------ */
 
 /* dims: dim, nh, nkv, hd, hidden, max_pos, num_threads, block_size, kv_kind, rotated, arith. Per l, w[4 l + j]
- * and kinds[4 l + j] for j = qkv, o, gate_up, down (raw GGUF rows, kind codes as gguf_dequantize's);
- * norms[2 l + j] for j = attn, ffn; kv_pools[4 l + j] for j = k pool, v pool, k scales, v scales
- * (scales NULL unless int8). M tokens (M <= 8), each of its own sequence: token m is at position
- * pos[m], its sequence's block table is tables + m * table_stride, its RoPE rows cos_rows[m] and
+ * and kinds[4 l + j] for j = qkv, o, gate_up, down (raw GGUF rows, kind codes as gguf_dequantize's, plus 16
+ * for cpu_qgemm's packed layout); norms[2 l + j] for j = attn, ffn; kv_pools[4 l + j] for j = k pool,
+ * v pool, k scales, v scales (scales NULL unless int8). M tokens, each of its own sequence: token m is at
+ * position pos[m], its sequence's block table is tables + m * table_stride, its RoPE rows cos_rows[m] and
  * sin_rows[m]. x [M, dim] is the residual stream, updated in place (the last layer's MLP output is
- * added). Every row goes through exactly the operations of a one-token step (the GEMVs compute each
- * row on its own), so a token's result does not depend on what else is in the batch.
+ * added). Every row goes through exactly the operations of a one-token step (the GEMMs compute each row
+ * on its own; attention is a unit per (row, query head)), so a token's result does not depend on what
+ * else is in the batch, nor on the number of threads.
+ * The whole step is one OpenMP region: the threads split each phase and meet at team_sync barriers;
+ * row m's norms are computed by thread m % T, the thread that quantizes it for the next GEMM.
  * scratch: at least M * (dim * 3 + (nh + 2 nkv) hd + nh hd + 3 hidden + nh (max_pos + 1)) floats.
- * Returns 0, or the failing GEMV's rc. */
+ * Returns 0, the failing GEMM's rc, or -2 when out of memory. */
 static int layers(int n_layers, int M, const int* dims, float eps, float scale, const uint8_t** w,
                   const int* kinds, const float** norms, void** kv_pools, const int* tables,
                   int table_stride, const int* pos, const float** cos_rows, const float** sin_rows,
                   float* x, float* scratch, int one_sequence) {
     const int dim = dims[0], nh = dims[1], nkv = dims[2], hd = dims[3], hidden = dims[4];
-    const int max_pos = dims[5], nt = dims[6], arith = dims[10];
+    const int max_pos = dims[5], nt = dims[6] > 1 ? dims[6] : 1, arith = dims[10];
     const int n_qkv = (nh + 2 * nkv) * hd;
     const size_t n_scores = (size_t)nh * (max_pos + 1);
     float* normed = scratch;
@@ -444,41 +480,73 @@ static int layers(int n_layers, int M, const int* dims, float eps, float scale, 
     float* act = gu + (size_t)M * 2 * hidden;
     float* down = act + (size_t)M * hidden;
     float* scores = down + (size_t)M * dim;
-    int rc;
-    for (int l = 0; l < n_layers; l++) {
-        const uint8_t** lw = w + 4 * l;
-        const int* lk = kinds + 4 * l;
-        for (int m = 0; m < M; m++)
-            decode_add_rmsnorm(x + (size_t)m * dim, l ? down + (size_t)m * dim : 0, norms[2 * l], dim, eps,
-                               normed + (size_t)m * dim);
-        if ((rc = gemv_of(lk[0], arith)(lw[0], n_qkv, dim, normed, M, qkv, nt))) return rc;
-        /* every row's k/v first (for one sequence, later rows attend to them), then attention split over
-         * (row, query head) units across the threads: each unit's arithmetic is the same however it is split */
-        for (int m = 0; m < M; m++) {
-            paged_kv kv = {kv_pools[4 * l], kv_pools[4 * l + 1], (float*)kv_pools[4 * l + 2],
-                           (float*)kv_pools[4 * l + 3], tables + (one_sequence ? 0 : (size_t)m * table_stride),
-                           dims[7], dims[8], dims[9]};
-            kv_store_token(qkv + (size_t)m * n_qkv, nh, nkv, hd, cos_rows[m], sin_rows[m], &kv, pos[m]);
+    const int kmax = dim > hidden ? (dim > nh * hd ? dim : nh * hd) : (hidden > nh * hd ? hidden : nh * hd);
+    size_t wsb = arith ? qgemm_workspace(kmax, M) : sizeof(float) * (size_t)M * (kmax / 32);
+    void* ws = aligned_alloc(64, (wsb + 63) / 64 * 64);
+    if (!ws) return -2;
+    team_barrier bar;
+    atomic_init(&bar.arrived, 0);
+    atomic_init(&bar.gen, 0);
+    bar.n = 1;
+    int rc_all = 0;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+#ifdef _OPENMP
+        const int t = omp_get_thread_num();
+        if (t == 0) bar.n = omp_get_num_threads();
+#pragma omp barrier
+#else
+        const int t = 0;
+#endif
+        const int T = bar.n;
+        int rc = 0;
+        for (int l = 0; l < n_layers && !rc; l++) {
+            const uint8_t** lw = w + 4 * l;
+            const int* lk = kinds + 4 * l;
+            for (int m = t; m < M; m += T)
+                decode_add_rmsnorm(x + (size_t)m * dim, l ? down + (size_t)m * dim : 0, norms[2 * l], dim, eps,
+                                   normed + (size_t)m * dim);
+            if ((rc = team_gemm(lk[0], arith, lw[0], n_qkv, dim, normed, M, qkv, ws, t, &bar))) break;
+            team_sync(&bar);
+            /* every row's k/v first (for one sequence, later rows attend to them), then attention */
+            for (int m = t; m < M; m += T) {
+                paged_kv kv = {kv_pools[4 * l], kv_pools[4 * l + 1], (float*)kv_pools[4 * l + 2],
+                               (float*)kv_pools[4 * l + 3], tables + (one_sequence ? 0 : (size_t)m * table_stride),
+                               dims[7], dims[8], dims[9]};
+                kv_store_token(qkv + (size_t)m * n_qkv, nh, nkv, hd, cos_rows[m], sin_rows[m], &kv, pos[m]);
+            }
+            team_sync(&bar);
+            for (int u = M * nh * t / T; u < M * nh * (t + 1) / T; u++) {
+                const int m = u / nh, h = u % nh;
+                paged_kv kv = {kv_pools[4 * l], kv_pools[4 * l + 1], (float*)kv_pools[4 * l + 2],
+                               (float*)kv_pools[4 * l + 3], tables + (one_sequence ? 0 : (size_t)m * table_stride),
+                               dims[7], dims[8], dims[9]};
+                attend_head(qkv + (size_t)m * n_qkv, nh, nkv, hd, cos_rows[m], sin_rows[m], &kv, pos[m], scale,
+                            h, attn + ((size_t)m * nh + h) * hd,
+                            scores + (size_t)m * n_scores + (size_t)h * (max_pos + 1));
+            }
+            team_sync(&bar);
+            if ((rc = team_gemm(lk[1], arith, lw[1], dim, nh * hd, attn, M, o, ws, t, &bar))) break;
+            team_sync(&bar);
+            for (int m = t; m < M; m += T)
+                decode_add_rmsnorm(x + (size_t)m * dim, o + (size_t)m * dim, norms[2 * l + 1], dim, eps,
+                                   normed + (size_t)m * dim);
+            if ((rc = team_gemm(lk[2], arith, lw[2], 2 * hidden, dim, normed, M, gu, ws, t, &bar))) break;
+            team_sync(&bar);
+            const int i0 = hidden / 8 * t / T * 8, i1 = t == T - 1 ? hidden : hidden / 8 * (t + 1) / T * 8;
+            for (int m = 0; m < M; m++)
+                silu_mul_range(gu + (size_t)m * 2 * hidden, hidden, act + (size_t)m * hidden, i0, i1);
+            team_sync(&bar);
+            if ((rc = team_gemm(lk[3], arith, lw[3], dim, hidden, act, M, down, ws, t, &bar))) break;
+            team_sync(&bar);
         }
-#pragma omp parallel for num_threads(nt > 1 ? nt : 1) schedule(static)
-        for (int u = 0; u < M * nh; u++) {
-            const int m = u / nh, h = u % nh;
-            paged_kv kv = {kv_pools[4 * l], kv_pools[4 * l + 1], (float*)kv_pools[4 * l + 2],
-                           (float*)kv_pools[4 * l + 3], tables + (one_sequence ? 0 : (size_t)m * table_stride),
-                           dims[7], dims[8], dims[9]};
-            attend_head(qkv + (size_t)m * n_qkv, nh, nkv, hd, cos_rows[m], sin_rows[m], &kv, pos[m], scale,
-                        h, attn + ((size_t)m * nh + h) * hd, scores + (size_t)m * n_scores + (size_t)h * (max_pos + 1));
-        }
-        if ((rc = gemv_of(lk[1], arith)(lw[1], dim, nh * hd, attn, M, o, nt))) return rc;
-        for (int m = 0; m < M; m++)
-            decode_add_rmsnorm(x + (size_t)m * dim, o + (size_t)m * dim, norms[2 * l + 1], dim, eps,
-                               normed + (size_t)m * dim);
-        if ((rc = gemv_of(lk[2], arith)(lw[2], 2 * hidden, dim, normed, M, gu, nt))) return rc;
-        for (int m = 0; m < M; m++) decode_silu_mul(gu + (size_t)m * 2 * hidden, hidden, act + (size_t)m * hidden);
-        if ((rc = gemv_of(lk[3], arith)(lw[3], dim, hidden, act, M, down, nt))) return rc;
+        if (!rc)
+            for (int m = t; m < M; m += T)
+                for (int i = 0; i < dim; i++) x[(size_t)m * dim + i] += down[(size_t)m * dim + i];
+        if (t == 0) rc_all = rc;
     }
-    for (size_t i = 0; i < (size_t)M * dim; i++) x[i] += down[i];
-    return 0;
+    free(ws);
+    return rc_all;
 }
 
 int decode_layers_batch(int n_layers, int M, const int* dims, float eps, float scale, const uint8_t** w,

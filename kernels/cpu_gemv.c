@@ -384,3 +384,24 @@ GEMV_ENTRY(q4_0, 0, QK, Q4_0_BYTES)
 GEMV_ENTRY(q4_1, 1, QK, Q4_1_BYTES)
 GEMV_ENTRY(q8_0, 8, QK, Q8_0_BYTES)
 GEMV_ENTRY(q4_k, 4, QK_K, Q4_K_BYTES)
+
+/* The same GEMV by a team of T threads inside the caller's parallel region (the fused decode step runs
+ * every GEMV of a step in one region): every thread calls it with its own t and the same arguments;
+ * thread t computes the block sums of rows t, t + T, ... into ws (at least M * K / 32 floats), then,
+ * after sync(ctx), its share of the rows of W. The caller synchronises before reading y or reusing ws.
+ * kind: 0 Q4_0, 1 Q4_1, 4 Q4_K, 8 Q8_0. Returns 0, or -1 (on every thread) for bad arguments. */
+int gemv_team(const uint8_t* w, int kind, int N, int K, const float* x, int M, float* y, void* ws, int t, int T,
+              void (*sync)(void*), void* ctx) {
+    const int values = kind == 4 ? QK_K : QK;
+    const int bytes = kind == 0 ? Q4_0_BYTES : kind == 1 ? Q4_1_BYTES : kind == 8 ? Q8_0_BYTES : kind == 4 ? Q4_K_BYTES : 0;
+    if (!bytes || N < 0 || K <= 0 || K % values || M < 1 || M > MAX_M) return -1;
+    if (N == 0) return 0;
+    gemv_args a = {w, (size_t)(K / values) * bytes, N, K, M, x, (const float*)ws, y};
+    for (int m = t; m < M; m += T) block_sums(x + (size_t)m * K, 1, K, (float*)ws + (size_t)m * (K / QK));
+    sync(ctx);
+    const rows_fn fn = kind == 0 ? rows_q4_0 : kind == 1 ? rows_q4_1 : kind == 8 ? rows_q8_0 : rows_q4_k;
+    const int pairs = (N + 1) / 2;
+    const int n0 = 2 * (int)((long long)pairs * t / T), n1 = 2 * (int)((long long)pairs * (t + 1) / T);
+    fn(&a, n0, n1 < N ? n1 : N);
+    return 0;
+}

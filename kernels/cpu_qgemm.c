@@ -626,13 +626,33 @@ static void rows_q4_1(const qg_args* a, int n0, int n1) { rows(a, n0, n1, K_Q4_1
 static void rows_q8_0(const qg_args* a, int n0, int n1) { rows(a, n0, n1, K_Q8_0); }
 static void rows_q4_k(const qg_args* a, int n0, int n1) { rows(a, n0, n1, K_Q4_K); }
 
-#define STACK_Q (16 * 2048)
+/* The workspace qgemm_team needs for M rows of K values (any kind): the quantized rows, their scales and
+ * sums, and on x86 the interleaved copy of groups of 8 rows. */
+size_t FN(qgemm_workspace)(int K, int M) {
+    const size_t nbp = (size_t)(K / QK + GROUP - 1) / GROUP * GROUP;
+    size_t bytes = (size_t)M * nbp * QK + sizeof(float) * 3 * (size_t)M * nbp;
+#ifdef QG_X86
+    const size_t nblk = (size_t)(M / 8 + 1) * nbp;
+    bytes += 32 + nblk * 256 + nblk * 8 * 12;
+#endif
+    return (bytes + 63) / 64 * 64;
+}
 
-/* y [M, N] = x [M, K] @ W.T, W: uint8 [N, row_bytes] raw GGUF rows of `kind` (0 Q4_0, 1 Q4_1,
- * 4 Q4_K, 8 Q8_0). num_threads > 0. Returns 0; -1 for bad arguments (unknown kind, K not a
- * multiple of the block, M < 1, N < 0); -2 when out of memory. */
-static int driver(const uint8_t* w, int kind, int N, int K, const float* x, int M, float* y, int num_threads,
-                  int packed) {
+static void omp_sync(void* ctx) {
+    (void)ctx;
+#pragma omp barrier
+}
+
+/* y [M, N] = x [M, K] @ W.T by a team of T threads: every thread of a parallel region calls it with its
+ * own t (0 .. T - 1) and the same arguments, workspace ws (qgemm_workspace(K, M) bytes, 32-byte aligned)
+ * and barrier sync(ctx). Thread t quantizes rows t, t + T, ... of x (so a caller that wrote row m on
+ * thread m % T needs no barrier before the call), then every thread computes its share of y; the caller
+ * synchronises before reading y or reusing ws. W: raw GGUF rows of `kind` (0 Q4_0, 1 Q4_1, 4 Q4_K,
+ * 8 Q8_0), or qgemm_repack's layout when packed. Returns 0 on every thread, or the same error on every
+ * thread: -1 for bad arguments (unknown kind, K not a multiple of the block, M < 1, N < 0), -3 where this
+ * variant has no packed kernel for the kind. */
+int FN(qgemm_team)(const uint8_t* w, int kind, int packed, int N, int K, const float* x, int M, float* y,
+                   void* ws, int t, int T, void (*sync)(void*), void* ctx) {
     const int values = kind == K_Q4_K ? 256 : QK;
     const int bytes = kind == K_Q4_0 ? 18 : kind == K_Q4_1 ? 20 : kind == K_Q8_0 ? 34 : kind == K_Q4_K ? 144 : 0;
     if (!bytes || N < 0 || K <= 0 || K % values || M < 1) return -1;
@@ -644,45 +664,56 @@ static int driver(const uint8_t* w, int kind, int N, int K, const float* x, int 
     if (N == 0) return 0;
     const int nb = K / QK, ngroups = (nb + GROUP - 1) / GROUP, nbp = ngroups * GROUP;
     const size_t nq = (size_t)M * nbp * QK, nf = (size_t)M * nbp;
-    int8_t stack_q[STACK_Q] __attribute__((aligned(32)));
-    float stack_f[3 * STACK_Q / QK] __attribute__((aligned(32)));
-    int8_t* q = stack_q;
-    float* f = stack_f;
-    if (nq > STACK_Q) {
-        q = (int8_t*)malloc(nq);
-        f = (float*)malloc(sizeof(float) * 3 * nf);
-        if (!q || !f) { free(q); free(f); return -2; }
-    }
+    int8_t* q = (int8_t*)ws;
+    float* f = (float*)(q + nq);
     qg_args a = {w, (size_t)(K / values) * bytes, N, K, M, nbp, ngroups, q, f, (int32_t*)(f + nf), f + 2 * nf, y,
                  0, NULL, NULL, NULL, NULL};
-#ifdef QG_X86
-    a.mgroups = packed ? 0 : M / 8 + (M % 8 >= MLANES_MIN); /* a last group of >= MLANES_MIN rows is padded */
-    void* il = NULL;
-    if (a.mgroups) {
-        const size_t nblk = (size_t)a.mgroups * nbp;
-        if (!(il = aligned_alloc(32, nblk * 256 + nblk * 8 * 12))) {
-            if (q != stack_q) { free(q); free(f); }
-            return -2;
-        }
-        a.xi = (int8_t*)il;
-        a.di = (float*)(a.xi + nblk * 256);
-        a.si = (int32_t*)(a.di + nblk * 8);
-        a.sfi = (float*)(a.si + nblk * 8);
+    for (int m = t; m < M; m += T) {
+        qrow r = {q + (size_t)m * nbp * QK, f + (size_t)m * nbp, (int32_t*)(f + nf) + (size_t)m * nbp,
+                  f + 2 * nf + (size_t)m * nbp};
+        quantize_row(x + (size_t)m * K, K, nbp, r);
     }
-#endif
+    sync(ctx);
     void (*fn)(const qg_args*, int, int) = kind == K_Q4_0 ? rows_q4_0 : kind == K_Q4_1 ? rows_q4_1
                                            : kind == K_Q8_0 ? rows_q8_0 : rows_q4_k;
     int units = N; /* what the threads split: rows of W, or tiles of 8 rows when packed */
 #ifdef QG_X86
+    a.mgroups = packed ? 0 : M / 8 + (M % 8 >= MLANES_MIN); /* a last group of >= MLANES_MIN rows is padded */
+    if (a.mgroups) {
+        const size_t nblk = (size_t)a.mgroups * nbp;
+        a.xi = (int8_t*)(((uintptr_t)(f + 3 * nf) + 31) & ~(uintptr_t)31);
+        a.di = (float*)(a.xi + nblk * 256);
+        a.si = (int32_t*)(a.di + nblk * 8);
+        a.sfi = (float*)(a.si + nblk * 8);
+        for (int i = t; i < a.mgroups * nbp; i += T) interleave(&a, i / nbp, i % nbp);
+        sync(ctx);
+    }
     if (packed) {
         fn = kind == K_Q4_0 ? tiles_q4_0 : kind == K_Q4_1 ? tiles_q4_1 : tiles_q8_0;
         units = (N + 7) / 8;
     }
 #endif
+    fn(&a, (int)((long long)units * t / T), (int)((long long)units * (t + 1) / T));
+    return 0;
+}
+
+#define STACK_WS (96 * 1024)
+
+/* qgemm_team run by a team of its own (an OpenMP region of at most num_threads, fewer for a small W). */
+static int driver(const uint8_t* w, int kind, int N, int K, const float* x, int M, float* y, int num_threads,
+                  int packed) {
+    const int values = kind == K_Q4_K ? 256 : QK;
+    const int bytes = kind == K_Q4_0 ? 18 : kind == K_Q4_1 ? 20 : kind == K_Q8_0 ? 34 : kind == K_Q4_K ? 144 : 0;
+    if (!bytes || N < 0 || K <= 0 || K % values || M < 1) return -1;
+    const size_t wsb = FN(qgemm_workspace)(K, M);
+    uint8_t stack_ws[STACK_WS] __attribute__((aligned(64)));
+    void* ws = wsb <= STACK_WS ? (void*)stack_ws : aligned_alloc(64, wsb);
+    if (!ws) return -2;
     int nt = num_threads > 0 ? num_threads : 1;
-    const size_t max_nt = (size_t)N * a.row_bytes * (M < 4 ? 1 : M / 4) / MIN_BYTES_PER_THREAD + 1;
+    const size_t max_nt = (size_t)N * ((size_t)(K / values) * bytes) * (M < 4 ? 1 : M / 4) / MIN_BYTES_PER_THREAD + 1;
     if ((size_t)nt > max_nt) nt = (int)max_nt;
-    if (nt > units) nt = units;
+    if (nt > (N + 7) / 8) nt = (N + 7) / 8 > 0 ? (N + 7) / 8 : 1;
+    int rc = 0;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
 #ifdef _OPENMP
@@ -690,26 +721,11 @@ static int driver(const uint8_t* w, int kind, int N, int K, const float* x, int 
 #else
         const int t = 0, T = 1;
 #endif
-        for (int m = t; m < M; m += T) {
-            qrow r = {q + (size_t)m * nbp * QK, f + (size_t)m * nbp, (int32_t*)(f + nf) + (size_t)m * nbp,
-                      f + 2 * nf + (size_t)m * nbp};
-            quantize_row(x + (size_t)m * K, K, nbp, r);
-        }
-#pragma omp barrier
-#ifdef QG_X86
-        if (a.mgroups) {
-            for (int i = t; i < a.mgroups * nbp; i += T) interleave(&a, i / nbp, i % nbp);
-#pragma omp barrier
-        }
-#endif
-        const int n0 = (int)((long long)units * t / T), n1 = (int)((long long)units * (t + 1) / T);
-        fn(&a, n0, n1);
+        const int r = FN(qgemm_team)(w, kind, packed, N, K, x, M, y, ws, t, T, omp_sync, NULL);
+        if (t == 0) rc = r;
     }
-    if (q != stack_q) { free(q); free(f); }
-#ifdef QG_X86
-    free(il);
-#endif
-    return 0;
+    if (ws != (void*)stack_ws) free(ws);
+    return rc;
 }
 
 int FN(qgemm)(const uint8_t* w, int kind, int N, int K, const float* x, int M, float* y, int num_threads) {

@@ -7,6 +7,7 @@
  * EDGE_RUNTIME_ISA override and the tests use it); a variant the CPU cannot run is refused.
  * Every variant gives bit-identical results (see cpu_qgemm.c), so switching changes speed only.
  */
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 #if defined(__aarch64__) && defined(__linux__)
@@ -15,6 +16,22 @@
 
 typedef int (*qgemm_fn)(const uint8_t*, int, int, int, const float*, int, float*, int);
 typedef int (*qquant_fn)(const float*, int, int, int8_t*, float*, int32_t*, float*);
+typedef int (*qteam_fn)(const uint8_t*, int, int, int, int, const float*, int, float*, void*, int, int,
+                        void (*)(void*), void*);
+typedef size_t (*qws_fn)(int, int);
+#define VARIANT_DECLS(v)                                                                                  \
+    extern int qgemm_team_##v(const uint8_t*, int, int, int, int, const float*, int, float*, void*, int, int, \
+                              void (*)(void*), void*);                                                   \
+    extern size_t qgemm_workspace_##v(int, int);
+VARIANT_DECLS(portable)
+#if defined(__x86_64__)
+VARIANT_DECLS(avx2)
+VARIANT_DECLS(avxvnni)
+VARIANT_DECLS(avx512vnni)
+#endif
+#if defined(__aarch64__)
+VARIANT_DECLS(neon)
+#endif
 
 extern int qgemm_packed_portable(const uint8_t*, int, int, int, const float*, int, float*, int);
 extern int qgemm_portable(const uint8_t*, int, int, int, const float*, int, float*, int);
@@ -41,6 +58,8 @@ static const char* const NAMES[NUM_VARIANTS] = {"portable", "avx2", "avxvnni", "
 
 static qgemm_fn fns[NUM_VARIANTS], packed_fns[NUM_VARIANTS];
 static qquant_fn quants[NUM_VARIANTS];
+static qteam_fn teams[NUM_VARIANTS];
+static qws_fn workspaces[NUM_VARIANTS];
 static int current = -1;
 
 /* 1 when this library holds variant v and this CPU can run it. */
@@ -72,6 +91,8 @@ static void init(void) {
     fns[V_PORTABLE] = qgemm_portable;
     packed_fns[V_PORTABLE] = qgemm_packed_portable;
     quants[V_PORTABLE] = qgemm_quantize_portable;
+#define SET_TEAM(id, v) teams[id] = qgemm_team_##v, workspaces[id] = qgemm_workspace_##v
+    SET_TEAM(V_PORTABLE, portable);
 #if defined(__x86_64__)
     fns[V_AVX2] = qgemm_avx2;
     packed_fns[V_AVX2] = qgemm_packed_avx2;
@@ -82,11 +103,15 @@ static void init(void) {
     quants[V_AVX2] = qgemm_quantize_avx2;
     quants[V_AVXVNNI] = qgemm_quantize_avxvnni;
     quants[V_AVX512VNNI] = qgemm_quantize_avx512vnni;
+    SET_TEAM(V_AVX2, avx2);
+    SET_TEAM(V_AVXVNNI, avxvnni);
+    SET_TEAM(V_AVX512VNNI, avx512vnni);
 #endif
 #if defined(__aarch64__)
     fns[V_NEON] = qgemm_neon;
     packed_fns[V_NEON] = qgemm_packed_neon;
     quants[V_NEON] = qgemm_quantize_neon;
+    SET_TEAM(V_NEON, neon);
 #endif
     current = qgemm_best();
 }
@@ -119,6 +144,19 @@ int qgemm_select(int v) {
 int qgemm(const uint8_t* w, int kind, int N, int K, const float* x, int M, float* y, int num_threads) {
     init();
     return fns[current](w, kind, N, K, x, M, y, num_threads);
+}
+
+/* The selected variant's team GEMM and its workspace size (see cpu_qgemm.c; the fused decode step runs
+ * every GEMM of a step inside one parallel region through these). */
+int qgemm_team(const uint8_t* w, int kind, int packed, int N, int K, const float* x, int M, float* y, void* ws,
+               int t, int T, void (*sync)(void*), void* ctx) {
+    init();
+    return teams[current](w, kind, packed, N, K, x, M, y, ws, t, T, sync, ctx);
+}
+
+size_t qgemm_workspace(int K, int M) {
+    init();
+    return workspaces[current](K, M);
 }
 
 /* The selected variant's activation quantization (test hook). */

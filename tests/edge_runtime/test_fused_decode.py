@@ -128,3 +128,38 @@ def test_batched_fused_step_rows_equal_single_steps_exactly(model_path, prose, k
     for row, one in enumerate(single):
         assert torch.equal(batched[row], one[0]), row
     assert torch.equal(again[0], single[1][0])
+
+
+@pytest.mark.parametrize("arith", ["int8", "exact"])
+def test_step_does_not_depend_on_the_thread_count(model_path, prose, arith):
+    """A step is one parallel region whose threads split every phase (GEMM rows, attention heads, SiLU
+    ranges) and meet at spin barriers: 1, 2 and 3 threads (more than this machine's cores, so waiting
+    threads must yield) give bit-identical logits, for one token and for a batch of 6 (x86's interleaved
+    path for >= 5 rows)."""
+    from edge_runtime.tokenizer import Tokenizer
+
+    old_arith = cpu_gemv.arith()
+    cpu_gemv.set_arith(arith)
+    try:
+        model, gf = load_model(model_path, quant="gguf")
+        ids = Tokenizer.from_metadata(gf.metadata).encode(prose)
+        model.allocate_cache(256, num_blocks=64, block_size=16, kv_dtype="fp16")
+        tables = [list(range(10 * i, 10 * i + 10)) for i in range(6)]
+        lengths = [30, 3, 47, 12, 64, 20]
+        assert model.enable_fused(cpu_gemv.library())
+        outs = []
+        with torch.inference_mode():
+            for table, n in zip(tables, lengths):
+                model(torch.tensor(ids[:n]), 0, block_table=table)
+            nxt = ids[70:76]
+            for nt in (1, 2, 3):
+                cpu_gemv.set_num_threads(nt)
+                outs.append((model.fused.step(nxt[0], lengths[0], tables[0]),
+                             model.fused.step_batch(nxt, lengths, tables)))
+    finally:
+        cpu_gemv.set_num_threads(0)
+        cpu_gemv.set_arith(old_arith)
+    for one, batch in outs[1:]:
+        assert torch.equal(one, outs[0][0])
+        assert torch.equal(batch, outs[0][1])
+    assert torch.equal(outs[0][1][0], outs[0][0][0])  # row 0 of the batch is the one-token step
