@@ -392,35 +392,7 @@ extern size_t qgemm_workspace(int, int);
 extern int gemv_team(const uint8_t*, int, int, int, const float*, int, float*, void*, int, int, void (*)(void*),
                      void*);
 
-/* A barrier that spins (then yields) instead of sleeping: a step has ~11 barriers per layer, and OpenMP's
- * own (a futex under OMP_WAIT_POLICY=PASSIVE) or a fork / join per GEMV costs more than the work
- * between them. Generation counting: the last thread to arrive resets the count and bumps gen. */
-typedef struct {
-    atomic_int arrived, gen;
-    int n;
-} team_barrier;
-
-static void team_sync(void* p) {
-    team_barrier* b = (team_barrier*)p;
-    if (b->n <= 1) return;
-    const int g = atomic_load_explicit(&b->gen, memory_order_relaxed);
-    if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == b->n - 1) {
-        atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
-        atomic_store_explicit(&b->gen, g + 1, memory_order_release);
-        return;
-    }
-    for (long spins = 0; atomic_load_explicit(&b->gen, memory_order_acquire) == g; spins++) {
-        if (spins < (1 << 16)) {
-#if defined(__x86_64__)
-            _mm_pause();
-#elif defined(__aarch64__)
-            __asm__ __volatile__("yield");
-#endif
-        } else {
-            sched_yield(); /* the machine is oversubscribed: let the thread we wait for run */
-        }
-    }
-}
+#include "team_barrier.h"
 
 /* y = x @ W.T for this thread's share. kind: a kind code, plus 16 for cpu_qgemm's packed layout;
  * arith 0: fp32 activations (cpu_gemv.c, the exact path), 1: 8-bit activations (cpu_qgemm.c). */
@@ -485,9 +457,7 @@ static int layers(int n_layers, int M, const int* dims, float eps, float scale, 
     void* ws = aligned_alloc(64, (wsb + 63) / 64 * 64);
     if (!ws) return -2;
     team_barrier bar;
-    atomic_init(&bar.arrived, 0);
-    atomic_init(&bar.gen, 0);
-    bar.n = 1;
+    team_barrier_init(&bar, 1);
     int rc_all = 0;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {

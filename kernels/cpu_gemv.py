@@ -102,7 +102,7 @@ def build(flags: list[str] | None = None) -> str:
 
     flags = list(FLAGS if flags is None else flags)
     source = b""
-    for src in [*_SOURCES, _QG_SOURCE, _QG_DISPATCH]:
+    for src in [*_SOURCES, _QG_SOURCE, _QG_DISPATCH, os.path.join(_HERE, "team_barrier.h")]:
         with open(src, "rb") as f:
             source += f.read()
     gcc = subprocess.run(["gcc", "--version"], capture_output=True, text=True, check=True, timeout=60)

@@ -25,6 +25,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "team_barrier.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -638,10 +640,6 @@ size_t FN(qgemm_workspace)(int K, int M) {
     return (bytes + 63) / 64 * 64;
 }
 
-static void omp_sync(void* ctx) {
-    (void)ctx;
-#pragma omp barrier
-}
 
 /* y [M, N] = x [M, K] @ W.T by a team of T threads: every thread of a parallel region calls it with its
  * own t (0 .. T - 1) and the same arguments, workspace ws (qgemm_workspace(K, M) bytes, 32-byte aligned)
@@ -714,14 +712,18 @@ static int driver(const uint8_t* w, int kind, int N, int K, const float* x, int 
     if ((size_t)nt > max_nt) nt = (int)max_nt;
     if (nt > (N + 7) / 8) nt = (N + 7) / 8 > 0 ? (N + 7) / 8 : 1;
     int rc = 0;
+    team_barrier bar;
+    team_barrier_init(&bar, 1);
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
 #ifdef _OPENMP
-        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        const int t = omp_get_thread_num();
+        if (t == 0) bar.n = omp_get_num_threads();
+#pragma omp barrier
 #else
-        const int t = 0, T = 1;
+        const int t = 0;
 #endif
-        const int r = FN(qgemm_team)(w, kind, packed, N, K, x, M, y, ws, t, T, omp_sync, NULL);
+        const int r = FN(qgemm_team)(w, kind, packed, N, K, x, M, y, ws, t, bar.n, team_sync, &bar);
         if (t == 0) rc = r;
     }
     if (ws != (void*)stack_ws) free(ws);
