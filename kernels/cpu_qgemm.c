@@ -448,6 +448,16 @@ ALWAYS_INLINE __m256i mstep(__m256i s, __m256i wb, __m256i x, const int KIND) {
 #endif
 }
 
+/* a + b in the width mstep accumulates in (16 bits for AVX2's Q4 steps, else 32). */
+ALWAYS_INLINE __m256i madd_width(__m256i a, __m256i b, const int KIND) {
+#if defined(QG_AVX512VNNI) || defined(QG_AVXVNNI)
+    (void)KIND;
+    return _mm256_add_epi32(a, b);
+#else
+    return KIND == K_Q8_0 ? _mm256_add_epi32(a, b) : _mm256_add_epi16(a, b);
+#endif
+}
+
 ALWAYS_INLINE __m256i mfinish(__m256i s, const int KIND) {
 #if defined(QG_AVX512VNNI) || defined(QG_AVXVNNI)
     (void)KIND;
@@ -546,11 +556,13 @@ ALWAYS_INLINE void rows_x86(const qg_args* a, int n0, int n1, const int KIND) {
 
 #ifdef QG_X86
 /* ---- the packed layout (qgemm_repack in cpu_qgemm_dispatch.c): rows of W as the lanes ---------------
- * Tiles of 8 rows; per tile and block, the codes as 8 steps of [row][4 codes] (Q4: 4 x 32 bytes, step 2p in
- * the low nibbles and 2p + 1 in the high nibbles of 32-byte piece p; Q8_0: 8 x 32 bytes), then the 8 rows'
- * fp16 d (and Q4_1's fp16 m). x's 4 values of a step are broadcast to every lane, so 8 steps give each
- * row's exact isum; the epilogue is the per-lane form of the formulas at the top, and block b adds to
- * accumulator b % 8: the same bits as the row-major kernels. */
+ * Tiles of 8 rows; per tile and block, the codes as 32-byte registers holding 4 rows x 2 steps: byte
+ * 16 h + 4 r + i of register (R, j) is code 4 (j + 4 h) + i of row 4 R + r (Q4: register (0, j) in the low
+ * and (1, j) in the high nibbles of 32-byte piece j; Q8_0: register (R, j) is piece 4 R + j), then the 8
+ * rows' fp16 d (and Q4_1's fp16 m). One load of x's block and four in-lane shuffles give each half the 4
+ * values of its step (a broadcast from memory per step cost more), so 4 steps per register give each
+ * row's exact isum in two halves, added once; the epilogue is the per-lane form of the formulas at the
+ * top, and block b adds to accumulator b % 8: the same bits as the row-major kernels. */
 ALWAYS_INLINE int tile_bytes(const int KIND) { return KIND == K_Q4_0 ? 144 : KIND == K_Q4_1 ? 160 : 272; }
 
 /* Tiles [t0, t1) against every row of x; y columns past N are not written. */
@@ -570,16 +582,19 @@ ALWAYS_INLINE void tiles_packed(const qg_args* a, int t0, int t1, const int KIND
                 _mm_prefetch((const char*)blk + PREFETCH_BYTES + 64, _MM_HINT_T0);
                 _mm_prefetch((const char*)blk + PREFETCH_BYTES + 128, _MM_HINT_T0);
                 if (KIND == K_Q8_0) _mm_prefetch((const char*)blk + PREFETCH_BYTES + 192, _MM_HINT_T0);
-                __m256i ws[8];
+                __m256i wlo[4], whi[4]; /* step pair j of rows 0-3, of rows 4-7 */
                 if (KIND == K_Q8_0) {
-#pragma GCC unroll 8
-                    for (int j = 0; j < 8; j++) ws[j] = _mm256_loadu_si256((const __m256i*)(blk + 32 * j));
+#pragma GCC unroll 4
+                    for (int j = 0; j < 4; j++) {
+                        wlo[j] = _mm256_loadu_si256((const __m256i*)(blk + 32 * j));
+                        whi[j] = _mm256_loadu_si256((const __m256i*)(blk + 32 * (4 + j)));
+                    }
                 } else {
 #pragma GCC unroll 4
-                    for (int p = 0; p < 4; p++) {
-                        const __m256i v = _mm256_loadu_si256((const __m256i*)(blk + 32 * p));
-                        ws[2 * p] = _mm256_and_si256(v, m4);
-                        ws[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                    for (int j = 0; j < 4; j++) {
+                        const __m256i v = _mm256_loadu_si256((const __m256i*)(blk + 32 * j));
+                        wlo[j] = _mm256_and_si256(v, m4);
+                        whi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
                     }
                 }
                 const int codes = KIND == K_Q8_0 ? 256 : 128;
@@ -590,14 +605,19 @@ ALWAYS_INLINE void tiles_packed(const qg_args* a, int t0, int t1, const int KIND
                 for (int m = 0; m < mc; m++) {
                     const size_t xb = (size_t)(m0 + m) * a->nbp + b;
                     const int8_t* xq = a->q + xb * QK;
-                    __m256i acc_i = _mm256_setzero_si256();
-#pragma GCC unroll 8
-                    for (int j = 0; j < 8; j++) {
-                        int32_t x4;
-                        memcpy(&x4, xq + 4 * j, 4);
-                        acc_i = mstep(acc_i, ws[j], _mm256_set1_epi32(x4), KIND);
-                    }
-                    __m256i is = mfinish(acc_i, KIND);
+                    /* one load of x's block; in-lane shuffles give 128-bit half h the 4 values of step j + 4 h */
+                    const __m256i xall = _mm256_loadu_si256((const __m256i*)xq);
+                    const __m256i x0 = _mm256_shuffle_epi32(xall, 0x00), x1 = _mm256_shuffle_epi32(xall, 0x55);
+                    const __m256i x2 = _mm256_shuffle_epi32(xall, 0xAA), x3 = _mm256_shuffle_epi32(xall, 0xFF);
+                    const __m256i z = _mm256_setzero_si256();
+                    const __m256i lo = mstep(mstep(mstep(mstep(z, wlo[0], x0, KIND), wlo[1], x1, KIND), wlo[2], x2, KIND),
+                                             wlo[3], x3, KIND);
+                    const __m256i hi = mstep(mstep(mstep(mstep(z, whi[0], x0, KIND), whi[1], x1, KIND), whi[2], x2, KIND),
+                                             whi[3], x3, KIND);
+                    /* lo = [rows 0-3, steps 0-3 | rows 0-3, steps 4-7], hi the same for rows 4-7: add the halves
+                     * (in mstep's width: AVX2's 16-bit Q4 sums of 8 steps stay below 2^15, as before) */
+                    const __m256i pa = _mm256_permute2x128_si256(lo, hi, 0x20), pb = _mm256_permute2x128_si256(lo, hi, 0x31);
+                    __m256i is = mfinish(madd_width(pa, pb, KIND), KIND);
                     if (KIND == K_Q4_0) is = _mm256_sub_epi32(is, _mm256_set1_epi32(8 * a->s[xb]));
                     __m256 c = _mm256_mul_ps(_mm256_mul_ps(dw, _mm256_set1_ps(a->d[xb])), _mm256_cvtepi32_ps(is));
                     if (KIND == K_Q4_1) c = _mm256_add_ps(c, _mm256_mul_ps(mw, _mm256_set1_ps(a->sf[xb])));

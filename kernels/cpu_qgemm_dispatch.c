@@ -185,8 +185,8 @@ long long qgemm_packed_bytes(int kind, int N, int K) {
 }
 
 /* Raw GGUF rows [N, row_bytes] of Q4_0 (0), Q4_1 (1) or Q8_0 (8) -> the packed layout (see cpu_qgemm.c):
- * tiles of 8 rows (missing rows zero), per tile and block the codes as 8 steps of [row][4 codes], then
- * the rows' fp16 d (and m). Returns 0, or -1 for another kind or K % 32. Layout only: no arithmetic. */
+ * tiles of 8 rows (missing rows zero), per tile and block the codes as registers of 4 rows x 2 steps
+ * (see tiles_packed in cpu_qgemm.c), then the rows' fp16 d (and m). Returns 0, or -1 for another kind or K % 32. Layout only: no arithmetic. */
 int qgemm_repack(const uint8_t* w, int kind, int N, int K, uint8_t* out) {
     const long long total = qgemm_packed_bytes(kind, N, K);
     if (!total) return -1;
@@ -199,14 +199,17 @@ int qgemm_repack(const uint8_t* w, int kind, int N, int K, uint8_t* out) {
             const uint8_t* src = w + ((size_t)n * nb + b) * bytes;
             uint8_t* dst = out + ((size_t)t * nb + b) * tb;
             uint8_t q[32];
+            const int R = r / 4, rl = r % 4; /* register (R, j): byte 16 h + 4 rl + i = code 4 (j + 4 h) + i */
             if (kind == 8) {
                 memcpy(q, src + 2, 32);
-                for (int j = 0; j < 8; j++) memcpy(dst + 32 * j + 4 * r, q + 4 * j, 4);
+                for (int j = 0; j < 4; j++)
+                    for (int h = 0; h < 2; h++) memcpy(dst + 32 * (4 * R + j) + 16 * h + 4 * rl, q + 4 * (j + 4 * h), 4);
             } else {
                 for (int i = 0; i < 16; i++) { q[i] = src[qoff + i] & 0xF; q[i + 16] = src[qoff + i] >> 4; }
-                for (int p = 0; p < 4; p++)
-                    for (int i = 0; i < 4; i++)
-                        dst[32 * p + 4 * r + i] = (uint8_t)(q[8 * p + i] | (q[8 * p + 4 + i] << 4));
+                for (int j = 0; j < 4; j++)
+                    for (int h = 0; h < 2; h++)
+                        for (int i = 0; i < 4; i++)
+                            dst[32 * j + 16 * h + 4 * rl + i] |= (uint8_t)(q[4 * (j + 4 * h) + i] << (4 * R));
             }
             memcpy(dst + codes + 2 * r, src, 2);                      /* d */
             if (kind == 1) memcpy(dst + codes + 16 + 2 * r, src + 2, 2); /* m */
