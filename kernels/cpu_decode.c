@@ -461,13 +461,7 @@ static int layers(int n_layers, int M, const int* dims, float eps, float scale, 
     int rc_all = 0;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
-#ifdef _OPENMP
-        const int t = omp_get_thread_num();
-        if (t == 0) bar.n = omp_get_num_threads();
-#pragma omp barrier
-#else
-        const int t = 0;
-#endif
+        const int t = team_enter(&bar);
         const int T = bar.n;
         int rc = 0;
         for (int l = 0; l < n_layers && !rc; l++) {

@@ -736,13 +736,7 @@ static int driver(const uint8_t* w, int kind, int N, int K, const float* x, int 
     team_barrier_init(&bar, 1);
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
-#ifdef _OPENMP
-        const int t = omp_get_thread_num();
-        if (t == 0) bar.n = omp_get_num_threads();
-#pragma omp barrier
-#else
-        const int t = 0;
-#endif
+        const int t = team_enter(&bar);
         const int r = FN(qgemm_team)(w, kind, packed, N, K, x, M, y, ws, t, bar.n, team_sync, &bar);
         if (t == 0) rc = r;
     }

@@ -10,6 +10,9 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 typedef struct {
     atomic_int arrived, gen;
@@ -20,6 +23,20 @@ static inline void team_barrier_init(team_barrier* b, int n) {
     atomic_init(&b->arrived, 0);
     atomic_init(&b->gen, 0);
     b->n = n;
+}
+
+/* Called by every thread at the top of a parallel region: returns the thread's id and sets b->n to the
+ * team's size (thread 0 writes it, then an OpenMP barrier, so every thread reads it afterwards). */
+static inline int team_enter(team_barrier* b) {
+#ifdef _OPENMP
+    const int t = omp_get_thread_num();
+    if (t == 0) b->n = omp_get_num_threads();
+#pragma omp barrier
+    return t;
+#else
+    b->n = 1;
+    return 0;
+#endif
 }
 
 static void team_sync(void* p) {
