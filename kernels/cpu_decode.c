@@ -5,13 +5,11 @@
  * token on this CPU. These functions do the same fp32 math, and decode_layers runs every
  * layer of a token in one call. Built into
  * the same library as cpu_gemv.c (see cpu_gemv.py); the torch code in
- * edge_runtime/model.py is the reference they are tested against. Single-threaded: the
- * work is too small to split.
+ * edge_runtime/model.py is the reference they are tested against. A step is one OpenMP
+ * region: its threads split every phase and meet at team_barrier.h's barrier (see layers()).
  */
 #include <immintrin.h>
 #include <math.h>
-#include <sched.h>
-#include <stdatomic.h>
 #include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
