@@ -375,13 +375,6 @@ static void attend_head(const float* qkv, int nh, int nkv, int hd, const float* 
         attend_head_hd(qkv, nh, nkv, hd, cos_row, sin_row, kv, pos, scale, h, out, sc);
 }
 
-void decode_rope_attend(const float* qkv, int nh, int nkv, int hd, const float* cos_row, const float* sin_row,
-                        const paged_kv* kv, int pos, float scale, float* out, float* scores) {
-    kv_store_token(qkv, nh, nkv, hd, cos_row, sin_row, kv, pos);
-    for (int h = 0; h < nh; h++)
-        attend_head(qkv, nh, nkv, hd, cos_row, sin_row, kv, pos, scale, h, out + h * hd, scores + (size_t)h * (pos + 1));
-}
-
 /* ---- one parallel region per step: a team of threads and its barrier ----------------------------- */
 
 extern int qgemm_team(const uint8_t*, int, int, int, int, const float*, int, float*, void*, int, int,
