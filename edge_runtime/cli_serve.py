@@ -15,6 +15,8 @@ def add_serve_args(p) -> None:
     p.add_argument("--max-in-flight", type=int, default=8, help="requests generating at once; more get 429")
     p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request gives none")
     p.add_argument("--model-id", default=None, help="the id /v1/models reports (default: the model file's name)")
+    p.add_argument("--resume-grace", type=float, default=30.0,
+                   help="seconds a /v1/stream stream outlives its connection (resumable meanwhile)")
 
 
 def _api_key(args) -> str | None:
@@ -33,11 +35,13 @@ def build_gateway(args, make_backend):
 
     if args.max_in_flight < 1 or args.default_max_tokens < 1:
         raise EdgeRuntimeError("--max-in-flight and --default-max-tokens must be >= 1")
+    if not args.resume_grace >= 0:
+        raise EdgeRuntimeError(f"--resume-grace must be >= 0 seconds, not {args.resume_grace:g}")
     runtime = make_runtime(args, make_backend)
     model_id = args.model_id or os.path.splitext(os.path.basename(getattr(runtime.local, "path", args.model)))[0]
     gw = Gateway(runtime, model_id, api_key=_api_key(args), max_in_flight=args.max_in_flight,
                  default_max_tokens=args.default_max_tokens)
-    return gw, create_app(gw)
+    return gw, create_app(gw, resume_grace_s=args.resume_grace)
 
 
 def run_serve(args, make_backend) -> int:

@@ -153,7 +153,8 @@ class HybridRuntime:
         st = _State()
         t0 = time.perf_counter()
         yield StreamEvent("start", source=decision.route, info={"route": decision.route, "rule": decision.rule,
-                                                                "route_reason": decision.reason})
+                                                                "route_reason": decision.reason,
+                                                                "prompt_tokens": prompt_tokens})
         source = decision.route
         monitor = self.monitor_factory() if decision.monitor and self.monitor_factory is not None else None
         while True:

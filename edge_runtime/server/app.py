@@ -70,7 +70,8 @@ class Gateway:
         tokens = rt.prompt_tokens(gen)
         if local_only and n_ctx is not None and tokens is not None and tokens >= n_ctx:
             raise APIError(400, f"this model's context is {n_ctx} tokens but the prompt is {tokens} tokens "
-                                f"(at least one must be left to generate)", param="messages",
+                                f"(at least one must be left to generate)",
+                           param="messages" if gen.messages is not None else "prompt",
                            code="context_length_exceeded")
         max_tokens = gen.params.max_tokens
         if local_only and n_ctx is not None and tokens is not None and tokens + max_tokens > n_ctx:
@@ -137,7 +138,7 @@ def _stream_error(ev) -> APIError:
     return APIError(503, ev.error or "the answer could not be produced", type="server_error", code=code or "unavailable")
 
 
-def create_app(gateway: Gateway) -> FastAPI:
+def create_app(gateway: Gateway, resume_grace_s: float = 30.0) -> FastAPI:
     app = FastAPI(title="edge-runtime gateway", version="1", description=__doc__.split("\n\n")[0])
     app.state.gateway = gateway
     gw = gateway
@@ -265,7 +266,7 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     from .ws_stream import mount_ws
 
-    mount_ws(app, gw)
+    mount_ws(app, gw, grace_s=resume_grace_s)
     return app
 
 

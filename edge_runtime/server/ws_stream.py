@@ -2,8 +2,8 @@
 
 Client frames (JSON text): `hello` {api_key} first when the server has a key;
 `generate` {id, messages | prompt, params, route, local_only}; `cancel` {id};
-`resume` {id, after} on a new connection. Server frames: `welcome` {model},
-then per stream `start` {route, route_reason}, `delta` {seq, text, token_ids,
+`resume` {id, after} on a new connection. Server frames: `welcome` {model, resume_grace_s},
+then per stream `start` {route, route_reason, source, prompt_tokens}, `delta` {seq, text, token_ids,
 source}, `handoff` {from, to, at_char, reason}, `finish` {finish_reason,
 usage, usage_by_source, handoffs} or `error` {code, message}. Every stream
 frame has `id` and `n`, its number in that stream (0, 1, 2, ...).
@@ -54,7 +54,8 @@ class _Conn:
 def _frame(sid: str, n: int, ev) -> dict:
     f = {"type": ev.type, "id": sid, "n": n}
     if ev.type == "start":
-        f.update(route=ev.info.get("route"), route_reason=ev.info.get("route_reason"), source=ev.source)
+        f.update(route=ev.info.get("route"), route_reason=ev.info.get("route_reason"), source=ev.source,
+                 prompt_tokens=ev.info.get("prompt_tokens"))
     elif ev.type == "delta":
         f.update(seq=ev.seq, text=ev.text, token_ids=list(ev.token_ids), source=ev.source)
     elif ev.type == "handoff":
@@ -65,6 +66,33 @@ def _frame(sid: str, n: int, ev) -> dict:
     else:
         f.update(code=(ev.info or {}).get("code", "error"), message=ev.error)
     return f
+
+
+def _cut_short(s: _Stream) -> dict:
+    """The `finish` frame of a stream ended by `cancel` or by its grace period, with the fields of a natural
+    finish counted from the frames it sent: completion tokens per source (a cloud delta without ids counts as
+    one token, as the runtime counts it), the prompt for the first source, and for a source reached by a
+    hand-off the prompt plus the answer so far (what it had to read)."""
+    prompt = start_source = None
+    by_source: dict = {}
+    handoffs, generated, source = [], 0, None
+    for f in s.frames:
+        if f["type"] == "start":
+            prompt, start_source = f.get("prompt_tokens") or 0, f.get("source")
+            source = start_source
+        elif f["type"] == "delta":
+            source = f["source"]
+            used = len(f["token_ids"]) or int(source == "cloud" and bool(f["text"]))
+            u = by_source.setdefault(source, {"prompt_tokens": (prompt or 0) + (generated if source != start_source
+                                                                                 else 0), "completion_tokens": 0})
+            u["completion_tokens"] += used
+            generated += used
+        elif f["type"] == "handoff":
+            handoffs.append({k: f.get(k) for k in ("from", "to", "at_char", "reason", "token_ids")})
+            source = f.get("to")
+    return {"type": "finish", "id": s.id, "n": len(s.frames), "finish_reason": "cancelled",
+            "usage": {"prompt_tokens": prompt or 0, "completion_tokens": generated}, "usage_by_source": by_source,
+            "handoffs": handoffs, "source": source}
 
 
 def mount_ws(app, gw, grace_s: float = 30.0) -> None:
@@ -82,7 +110,7 @@ def mount_ws(app, gw, grace_s: float = 30.0) -> None:
             async for ev in events:
                 push(s, _frame(s.id, len(s.frames), ev))
         except asyncio.CancelledError:
-            push(s, {"type": "finish", "id": s.id, "n": len(s.frames), "finish_reason": "cancelled"})
+            push(s, _cut_short(s))
         finally:
             s.done = True
             await events.aclose()
@@ -167,7 +195,7 @@ def mount_ws(app, gw, grace_s: float = 30.0) -> None:
                             await ws.close(AUTH_CLOSE, "unauthorized: send hello with the API key first")
                             return
                     if kind == "hello":
-                        conn.queue.put_nowait({"type": "welcome", "model": gw.model_id})
+                        conn.queue.put_nowait({"type": "welcome", "model": gw.model_id, "resume_grace_s": grace_s})
                         continue
                 if kind == "generate":
                     start(conn, msg)
@@ -182,7 +210,8 @@ def mount_ws(app, gw, grace_s: float = 30.0) -> None:
                 elif kind == "hello":
                     error(conn, None, "bad_frame", "hello comes first, once")
                 else:
-                    error(conn, msg.get("id"), "bad_frame", f"unknown frame type {kind!r}")
+                    error(conn, msg.get("id"), "unknown_type", f"unknown frame type {kind!r} (hello, generate, "
+                                                               f"cancel, resume)")
         except WebSocketDisconnect:
             pass
         finally:

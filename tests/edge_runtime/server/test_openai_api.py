@@ -152,6 +152,16 @@ def test_busy_is_429_with_retry_after_and_the_running_answer_is_unharmed():
         g.stop()
 
 
+def test_a_prompt_too_long_names_the_field_it_came_in(client, model):
+    long = "word " * 5000
+    with pytest.raises(openai.BadRequestError) as chat:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": long}], max_tokens=4)
+    with pytest.raises(openai.BadRequestError) as completion:
+        client.completions.create(model=model, prompt=long, max_tokens=4)
+    assert chat.value.body["code"] == completion.value.body["code"] == "context_length_exceeded"
+    assert chat.value.body["param"] == "messages" and completion.value.body["param"] == "prompt"
+
+
 def test_max_tokens_beyond_the_context_is_refused_up_front(client, model):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=model, messages=QUESTION, max_tokens=10**6)
