@@ -121,7 +121,8 @@ async def run_peer(base_url: str, work: list[tuple[str, int]], model: str | None
 
 
 def _measure_worker(args, work, max_batch: int, schedules: list[str]) -> dict:
-    w = WorkerProcess("--max-batch", str(max_batch), "--quant", args.quant, "--model", args.model, "--ctx", "2048",
+    w = WorkerProcess("--max-batch", str(max_batch), "--max-batched-tokens", str(max(512, 256 + max_batch)),
+                      "--quant", args.quant, "--model", args.model, "--ctx", "2048",
                       "--max-streams-per-connection", "1024", "--max-streams", "1024", "--kv-budget", "2GiB",
                       threads=args.threads)  # 2 GiB of KV, as the vLLM peer is given
     try:

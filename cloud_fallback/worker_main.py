@@ -72,7 +72,28 @@ def _limits(args) -> WorkerLimits:
                         max_streams_total=args.max_streams, resume_grace_s=args.resume_grace)
 
 
+# the worker's own engine's flags and their defaults: with --upstream none of them applies
+ENGINE_FLAGS = {"quant": "auto", "kv_dtype": "fp16", "kv_budget": None, "max_batch": 8, "max_batched_tokens": 512,
+                "chunk_size": 256}
+
+
+def _refuse_what_does_not_apply(args) -> None:
+    if getattr(args, "compile", False):
+        raise EdgeRuntimeError("--compile does not apply to the worker: its engine runs every step through the "
+                               "fused C kernels (no torch.compile)")
+    if args.upstream is not None:
+        given = [f"--{k.replace('_', '-')}" for k, v in ENGINE_FLAGS.items() if getattr(args, k, v) != v]
+        if given:
+            raise EdgeRuntimeError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to the worker's "
+                                   f"own engine, not to --upstream (the upstream server batches on its own)")
+    elif args.max_batched_tokens < args.chunk_size + args.max_batch:
+        raise EdgeRuntimeError(f"--max-batched-tokens {args.max_batched_tokens} is below what one step needs: a "
+                               f"prompt chunk plus a token per sequence ({args.chunk_size} + {args.max_batch} = "
+                               f"{args.chunk_size + args.max_batch}); raise it or lower --chunk-size")
+
+
 def run_worker(args) -> int:
+    _refuse_what_does_not_apply(args)
     token = _read_secret(args.token_file, "token") if args.token_file else None
     limits, tls = _limits(args), _tls(args)
     engine = None
@@ -88,8 +109,7 @@ def run_worker(args) -> int:
         from edge_runtime.kv_cache_config import KVCacheConfig
         from edge_runtime.scheduler import SchedulerConfig
 
-        config = SchedulerConfig(args.max_batch, max(args.max_batched_tokens, args.chunk_size + args.max_batch),
-                                 args.chunk_size)
+        config = SchedulerConfig(args.max_batch, args.max_batched_tokens, args.chunk_size)
         try:
             config.validate(KVCacheConfig().block_size)  # the worker uses the default KV block size
         except ValueError as e:

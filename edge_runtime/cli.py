@@ -82,6 +82,15 @@ def backend_args(args, compile: bool | str = "auto") -> tuple[str, dict, object]
         if choice.backend != "native" or quant != "gguf":
             raise EdgeRuntimeError(f"--arith {arith} applies to the native backend with GGUF weights "
                                    f"(--quant gguf), not to backend {choice.backend} with weights {quant}")
+    if choice.backend != "native":
+        given = [flag for flag, on in (("--quant", args.quant != "auto"),
+                                       ("--kv-dtype", getattr(args, "kv_dtype", None) is not None),
+                                       ("--kv-budget", getattr(args, "kv_budget", None) is not None),
+                                       ("--compile", bool(getattr(args, "compile", False)))) if on]
+        if given:
+            raise EdgeRuntimeError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to the native "
+                                   f"backend only, not to {choice.backend} (drop {'it' if len(given) == 1 else 'them'}"
+                                   f", or pass --backend native)")
     if choice.backend == "native":
         from kernels import cpu_gemv
 

@@ -177,6 +177,24 @@ def test_arith_flag_applies_and_is_refused_where_it_does_not():
         assert p.stderr.strip().splitlines()[-1].startswith("edge-runtime: error: --arith"), p.stderr
 
 
+@pytest.mark.parametrize("argv, start", [
+    (["generate", "--backend", "llama.cpp", "--kv-dtype", "int8", "hi"], "--kv-dtype applies to the native backend"),
+    (["generate", "--backend", "llama.cpp", "--quant", "int4", "--kv-budget", "1GB", "hi"],
+     "--quant, --kv-budget apply to the native backend"),
+    (["generate", "--backend", "onnxruntime", "--compile", "hi"], "--compile applies to the native backend"),
+    (["worker", "--compile"], "--compile does not apply to the worker"),
+    (["worker", "--upstream", "http://127.0.0.1:9/v1", "--max-batch", "4"], "--max-batch applies to the worker's own"),
+    (["worker", "--max-batched-tokens", "100"], "--max-batched-tokens 100 is below what one step needs"),
+])
+def test_a_flag_that_does_not_apply_is_refused_in_one_line(argv, start):
+    """Native-only flags on llama.cpp / onnxruntime, --compile on the worker, engine flags beside --upstream,
+    and a step budget the worker would have raised behind the user's back: exit 2 and one line that names
+    the flag, before any model loads."""
+    p = run(*argv, timeout=120)
+    assert p.returncode == 2, (argv, p.stderr)
+    assert p.stderr.strip().splitlines()[-1].startswith("edge-runtime: error: " + start), p.stderr
+
+
 def test_a_missing_compiler_is_a_one_line_error_naming_the_fix(tmp_path):
     """No gcc on PATH and no cached build: the GGUF kernels cannot be built, and the command says so in one
     line with the fix, instead of running slowly without them."""
