@@ -50,13 +50,22 @@ def _add_model_args(p: argparse.ArgumentParser, backend: bool = True, draft: boo
                    "and at most the device profile's budget")
 
 
-def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, interactive: bool = False) -> None:
+    """interactive (chat): what is not given comes from the model's recommendation, else sampling_defaults'
+    FALLBACK; otherwise (generate) greedy with every filter off."""
+    d = {k: None for k in SAMPLING_FLAGS} if interactive else {"temperature": 0.0, "top_k": 0, "top_p": 1.0,
+                                                               "min_p": 0.0, "repetition_penalty": 1.0}
+    why = " (default: the model's recommendation, else llama.cpp's)" if interactive else ""
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=d["temperature"], help="0 = greedy" + why)
+    p.add_argument("--top-k", type=int, default=d["top_k"], help="0 = off" + why)
+    p.add_argument("--top-p", type=float, default=d["top_p"], help=why.strip(" ()") or None)
+    p.add_argument("--min-p", type=float, default=d["min_p"], help=why.strip(" ()") or None)
+    p.add_argument("--repetition-penalty", type=float, default=d["repetition_penalty"],
+                   help="1 = off" + (" (default: the model's recommendation, else Ollama's 1.1)" if interactive else ""))
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
@@ -128,12 +137,13 @@ def make_backend(args):
     return backend
 
 
-def sampling_params(args):
-    from .request import SamplingParams
+def sampling_params(args, defaults=None):
+    """The command's SamplingParams: its flags over `defaults` (a SamplingDefaults) where a flag is None."""
+    from . import sampling_defaults
 
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                          seed=args.seed, stop=list(args.stop))
+    given = {k: getattr(args, k) for k in SAMPLING_FLAGS}
+    return (defaults or sampling_defaults.NONE).params(max_tokens=args.max_tokens, seed=args.seed,
+                                                       stop=list(args.stop), **given)
 
 
 def cmd_generate(args) -> int:
@@ -182,7 +192,8 @@ def _draft_summary(backend, result) -> dict:
 def cmd_chat(args) -> int:
     from .cli_hybrid import chat_hybrid
 
-    return chat_hybrid(args, sampling_params(args), make_backend)  # the device alone when no --cloud
+    sampling_params(args)  # bad flags fail before anything loads
+    return chat_hybrid(args, lambda defaults: sampling_params(args, defaults), make_backend)  # device alone: no --cloud
 
 
 def torch_threads() -> int:
@@ -291,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("chat", help="interactive streaming assistant (/reset, /quit)")
     _add_model_args(c)
-    _add_sampling_args(c)
+    _add_sampling_args(c, interactive=True)
     add_hybrid_args(c)
     c.set_defaults(func=cmd_chat, max_tokens=512)
 

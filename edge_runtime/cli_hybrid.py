@@ -36,10 +36,13 @@ def make_runtime(args, make_backend) -> HybridRuntime:
     return HybridRuntime(make_backend(args), _cloud(args), offline=args.offline, route=args.route)
 
 
-def chat_hybrid(args, params, make_backend) -> int:
+def chat_hybrid(args, make_params, make_backend) -> int:
+    """make_params(defaults) -> SamplingParams: the flags over the local model's sampling defaults."""
     from .chat import ChatSession
 
     runtime = make_runtime(args, make_backend)
+    params = make_params(runtime.local.sampling_defaults)
+    print(f"[sampling: {_sampling_text(params, runtime.local.sampling_defaults)}]", file=sys.stderr, flush=True)
     session = ChatSession(runtime.local, params, runtime=runtime)
     try:
         return session.run(sys.stdin, sys.stdout)
@@ -47,6 +50,16 @@ def chat_hybrid(args, params, make_backend) -> int:
         if runtime.cloud is not None:
             session.loop.run_until_complete(runtime.cloud.aclose())
         session.loop.close()
+
+
+def _sampling_text(params, defaults) -> str:
+    """What a session samples with, and where each setting came from (a flag, or the defaults' source)."""
+    given = [k for k in defaults.values if getattr(params, k) != defaults.values[k]]
+    if params.temperature == 0:
+        return "greedy" + (" (--temperature 0)" if "temperature" in given else "")
+    text = (f"temperature {params.temperature:g}, top-k {params.top_k}, top-p {params.top_p:g}, min-p "
+            f"{params.min_p:g}, repeat penalty {params.repetition_penalty:g} over the last {params.repeat_last_n} tokens")
+    return text + f" ({'flags: ' + ', '.join(given) + '; the rest ' if given else ''}{defaults.source})"
 
 
 def generate_hybrid(args, request, make_backend) -> int:

@@ -62,8 +62,8 @@ def run_serve(args, make_backend) -> int:
     config = uvicorn.Config(app, log_level="warning", ws="websockets-sansio", lifespan="off")
     server = uvicorn.Server(config)
     print(f"edge-runtime gateway listening on http://{host}:{port} (model {gw.model_id}, "
-          f"{'offline' if gw.runtime.offline else ('cloud ' + args.cloud) if args.cloud else 'device only'})",
-          flush=True)
+          f"{'offline' if gw.runtime.offline else ('cloud ' + args.cloud) if args.cloud else 'device only'}; "
+          f"requests that set no sampling get {gw.sampling.describe()})", flush=True)
 
     async def main():
         try:

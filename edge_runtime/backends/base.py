@@ -16,6 +16,7 @@ from typing import AsyncIterator, Iterator
 
 import torch
 
+from .. import sampling_defaults
 from ..chat_template import ChatTemplate
 from ..generator import Runner, generate_stream
 from ..request import GenerationRequest, GenerationResult, StreamEvent, Usage
@@ -30,6 +31,7 @@ class Backend(ABC):
         self._lock = threading.Lock()
         self.drafter = None  # speculative drafting (set_draft): None decodes one token per step
         self.draft = "none"
+        self.sampling_defaults = sampling_defaults.NONE  # what chat and serve sample with (the model's GGUF may say)
 
     def set_draft(self, name: str, k: int | None = None, allow_inexact: bool = False) -> None:
         """Speculative drafting for this backend's requests: "auto", "none", "ngram" (prompt lookup) or

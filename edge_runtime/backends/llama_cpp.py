@@ -13,6 +13,7 @@ import os
 import numpy as np
 import torch
 
+from .. import sampling_defaults
 from ..chat_template import ChatTemplate
 from ..errors import BackendUnavailableError, ModelFileError
 from ..tokenizer import vocab_fingerprint
@@ -118,6 +119,7 @@ class LlamaCppBackend(Backend):
         self.threads = threads
         self.runner = LlamaCppRunner(self.path, n_ctx, threads, flash_attn=flash_attn)
         self.template = ChatTemplate.from_metadata(gf.metadata)
+        self.sampling_defaults = sampling_defaults.from_metadata(gf.metadata)
         self.tokenizer_fingerprint = vocab_fingerprint(gf.metadata.get("tokenizer.ggml.tokens") or [])
         self._scorer: LlamaCppRunner | None = None
 

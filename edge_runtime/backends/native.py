@@ -15,6 +15,7 @@ import torch
 
 from kernels.kv_cache import PagedKVCache
 
+from .. import sampling_defaults
 from ..block_manager import BlockManager
 from ..chat_template import ChatTemplate
 from ..compile_cache import CompileCache
@@ -187,6 +188,7 @@ class NativeBackend(Backend):
         self.quant = self.model.quant
         tokenizer = Tokenizer.from_metadata(gf.metadata)
         self.template = ChatTemplate.from_metadata(gf.metadata)
+        self.sampling_defaults = sampling_defaults.from_metadata(gf.metadata)
         n_ctx = min(n_ctx, self.config.max_context)
         self.runner = NativeRunner(self.model, tokenizer, n_ctx, kv_config=self.kv_config)
         self.fused = False

@@ -23,6 +23,7 @@ import os
 import numpy as np
 import torch
 
+from .. import sampling_defaults
 from ..chat_template import ChatTemplate
 from ..errors import BackendUnavailableError, ContextLengthError, ModelFileError
 from ..model_config import ModelConfig
@@ -207,6 +208,7 @@ class OnnxRuntimeBackend(Backend):
         self.path = self.runner.meta.get("source", self.export_dir)
         self.config = self.runner.config
         self.template = self.runner.template
+        self.sampling_defaults = sampling_defaults.from_metadata(self.runner.meta["gguf_metadata"])
         self.tokenizer = self.runner.tokenizer
         self.tokenizer_fingerprint = self.tokenizer.fingerprint
         self.provider, self.fallback_reasons = self.runner.provider, self.runner.fallback_reasons

@@ -29,6 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from .. import sampling_defaults
 from .schemas import APIError, ChatCompletionRequest, CompletionRequest, ErrorResponse, to_generation_request
 
 STATIC = os.path.join(os.path.dirname(__file__), "static")
@@ -44,6 +45,8 @@ class Gateway:
                  default_max_tokens: int = 256):
         self.runtime, self.model_id, self.api_key = runtime, model_id, api_key
         self.max_in_flight, self.default_max_tokens = max_in_flight, default_max_tokens
+        # what a request that sets no sampling gets: the local model's recommendation, else llama.cpp's
+        self.sampling = getattr(getattr(runtime, "local", None), "sampling_defaults", None) or sampling_defaults.NONE
         self.in_flight = 0
         self.counters = {"requests": 0, "errors": 0, "busy": 0, "cancelled": 0, "handoffs": 0,
                          "tokens_local": 0, "tokens_cloud": 0}
@@ -185,7 +188,8 @@ def create_app(gateway: Gateway, resume_grace_s: float = 30.0) -> FastAPI:
             h = getattr(rt.cloud, "health", None)
             cloud = {"state": h.state if h else "unknown", "detail": h.describe() if h else ""}
         return {"status": "ok", "model": gw.model_id, "offline": rt.offline, "cloud": cloud,
-                "in_flight": gw.in_flight, "uptime_s": round(time.time() - gw.started, 1)}
+                "in_flight": gw.in_flight, "uptime_s": round(time.time() - gw.started, 1),
+                "sampling_defaults": gw.sampling.as_dict()}
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
@@ -214,7 +218,7 @@ def create_app(gateway: Gateway, resume_grace_s: float = 30.0) -> FastAPI:
 
     async def _complete(request: Request, body, chat: bool):
         gw.check_model(body.model)
-        gen = to_generation_request(body, gw.default_max_tokens)
+        gen = to_generation_request(body, gw.default_max_tokens, gw.sampling)
         gw.check_context(gen)
         gw.admit()
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]

@@ -1,6 +1,7 @@
 """The OpenAI-compatible request bodies, their mapping to our GenerationRequest, and OpenAI-style errors.
 
-Defaults follow OpenAI's API (temperature 1, top_p 1, n 1). Extensions that
+Sampling settings a request leaves out come from the server's defaults (the model's recommendation, else
+llama.cpp's: sampling_defaults.py); n defaults to 1 as in OpenAI's API. Extensions that
 standard clients never send: `top_k`, `min_p`, `repetition_penalty`,
 `ignore_eos` (sampling, as vLLM names them), `route` (auto | local | cloud)
 and `local_only` (privacy: never leave the device). Parameters we cannot
@@ -58,8 +59,9 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")  # unknown fields are checked by hand: a clear 400 naming them
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0, le=2)
-    top_p: float = Field(default=1.0, gt=0, le=1)
+    # the sampling settings a request leaves out (None) come from the server's defaults (sampling_defaults.py)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
     n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -68,10 +70,10 @@ class _Common(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     user: str | None = None
-    top_k: int = Field(default=0, ge=0)
-    min_p: float = Field(default=0.0, ge=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)
+    min_p: float | None = Field(default=None, ge=0, le=1)
     # NOTE: the sampler divides fp32 logits by it; far outside this range they overflow to inf (a NaN draw).
-    repetition_penalty: float = Field(default=1.0, ge=1e-6, le=1e6)
+    repetition_penalty: float | None = Field(default=None, ge=1e-6, le=1e6)
     ignore_eos: bool = False
     route: Literal["auto", "local", "cloud"] = "auto"
     local_only: bool = False
@@ -150,14 +152,18 @@ def _text(content) -> str:
     return "".join(parts)
 
 
-def to_generation_request(req: _Common, default_max_tokens: int) -> GenerationRequest:
+def to_generation_request(req: _Common, default_max_tokens: int, defaults=None) -> GenerationRequest:
+    """`defaults` (a SamplingDefaults) fills the sampling settings the request leaves out."""
+    from .. import sampling_defaults
+
     _unsupported(req)
     max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens or default_max_tokens
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=max(req.top_p, MIN_TOP_P),
-                                top_k=req.top_k, min_p=req.min_p, repetition_penalty=req.repetition_penalty,
-                                seed=req.seed, stop=stop, ignore_eos=req.ignore_eos)
+        params = (defaults or sampling_defaults.NONE).params(
+            max_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k, min_p=req.min_p,
+            top_p=None if req.top_p is None else max(req.top_p, MIN_TOP_P), repetition_penalty=req.repetition_penalty,
+            seed=req.seed, stop=stop, ignore_eos=req.ignore_eos)
         if isinstance(req, ChatCompletionRequest):
             messages = [{"role": "system" if m.role == "developer" else m.role, "content": _text(m.content)}
                         for m in req.messages]

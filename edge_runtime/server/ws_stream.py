@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from ..errors import EdgeRuntimeError
-from ..request import GenerationRequest, SamplingParams
+from ..request import GenerationRequest
 
 AUTH_CLOSE = 4401
 MAX_STREAMS_PER_CONNECTION = 8
@@ -144,7 +144,7 @@ def mount_ws(app, gw, grace_s: float = 30.0) -> None:
             return error(conn, sid, "invalid_request", "'params' must be an object")
         try:
             gen = GenerationRequest(messages=msg.get("messages"), prompt=msg.get("prompt"),
-                                    params=SamplingParams(**{"max_tokens": gw.default_max_tokens, **params}),
+                                    params=gw.sampling.params(**{"max_tokens": gw.default_max_tokens, **params}),
                                     route=msg.get("route", "auto"), local_only=bool(msg.get("local_only", False)))
         except EdgeRuntimeError as e:
             return error(conn, sid, "invalid_request", e.message)

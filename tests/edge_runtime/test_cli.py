@@ -127,7 +127,7 @@ def test_invalid_sampling_values(flag, value, name):
 
 
 def test_chat_keeps_history_resets_and_survives_ctrl_c():
-    proc = subprocess.Popen([sys.executable, "-m", "edge_runtime", "chat", "--max-tokens", "400"],
+    proc = subprocess.Popen([sys.executable, "-m", "edge_runtime", "chat", "--max-tokens", "400", "--temperature", "0"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=ROOT, bufsize=1, preexec_fn=sigint_default)
     try:

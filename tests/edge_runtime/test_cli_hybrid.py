@@ -67,7 +67,7 @@ def test_chat_on_the_hybrid_runtime_marks_sources_and_ctrl_c_stops_only_the_clou
 
     from tests.edge_runtime.test_cli import ROOT
 
-    proc = subprocess.Popen([sys.executable, "-m", "edge_runtime", "chat", "--max-tokens", "400", "--cloud", worker.url,
+    proc = subprocess.Popen([sys.executable, "-m", "edge_runtime", "chat", "--max-tokens", "400", "--temperature", "0", "--cloud", worker.url,
                              "--cloud-token-file", worker.token_path, "--route", "cloud"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                             bufsize=1, preexec_fn=sigint_default)

@@ -53,7 +53,8 @@ def test_stream_frames_equal_the_local_answer(gw, native_backend):
 
     async def go():
         ws = await hello(gw)
-        await ws.send(json.dumps({"type": "generate", "id": "a", "messages": QUESTION, "params": {"max_tokens": 24}}))
+        await ws.send(json.dumps({"type": "generate", "id": "a", "messages": QUESTION,
+                                  "params": {"max_tokens": 24, "temperature": 0}}))
         frames = await read_until_end(ws, "a", [])
         await ws.close()
         return frames
@@ -72,7 +73,7 @@ def test_stream_frames_equal_the_local_answer(gw, native_backend):
 def test_resume_after_a_dropped_connection_loses_and_repeats_nothing(gw):
     async def go():
         ws = await hello(gw)
-        await ws.send(json.dumps({"type": "generate", "id": "r", "messages": QUESTION, "params": {"max_tokens": 60}}))
+        await ws.send(json.dumps({"type": "generate", "id": "r", "messages": QUESTION, "params": {"max_tokens": 60, "temperature": 0}}))
         got = []
         while len(got) < 6:
             got.append(json.loads(await ws.recv()))
@@ -83,7 +84,7 @@ def test_resume_after_a_dropped_connection_loses_and_repeats_nothing(gw):
         await ws2.send(json.dumps({"type": "resume", "id": "r", "after": got[-1]["n"]}))
         rest = await read_until_end(ws2, "r", [])
         # and a fresh, uninterrupted run of the same request
-        await ws2.send(json.dumps({"type": "generate", "id": "s", "messages": QUESTION, "params": {"max_tokens": 60}}))
+        await ws2.send(json.dumps({"type": "generate", "id": "s", "messages": QUESTION, "params": {"max_tokens": 60, "temperature": 0}}))
         whole = await read_until_end(ws2, "s", [])
         await ws2.close()
         return got, rest, whole
