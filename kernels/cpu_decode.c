@@ -205,11 +205,12 @@ static inline float dot(const float* a, const float* b, int n) {
 
 /* qkv: [nh*hd | nkv*hd | nkv*hd] for one token at position pos. kv_store_token applies rotate-half RoPE
  * (cos/sin rows of length hd) to its k and writes k and v into the paged cache at pos; attend_head then
- * attends one query head h over positions 0..pos of its KV head (h / (nh / nkv)). Every query head is
- * its own unit of work with the same operations whoever runs it, so the threads may split a step's
- * (row, head) units any way. A KV head's rows are walked once per query head: the group's heads run
- * one after another on a thread, so the second and third walks hit the cache, and the first is
- * prefetched ahead (between layers the GEMVs evict the cache). nh * hd <= 8192, hd <= 512. */
+ * attends one query head h over positions 0..pos of its KV head (h / (nh / nkv)), and attend_group all
+ * the query heads of one KV head, converting each K and V row once for all of them (fp16 rows of 64, the
+ * default cache). Each query head gets the same operations whoever runs it and whichever of the two does,
+ * so the threads may split a step's (row, head) or (row, KV head) units any way: a step takes the latter
+ * when there are at least two per thread. Rows are prefetched ahead (between layers the GEMVs evict the
+ * cache). nh * hd <= 8192, hd <= 512. */
 static void kv_store_token(const float* qkv, int nh, int nkv, int hd, const float* cos_row, const float* sin_row,
                            const paged_kv* kv, int pos) {
     const int half = hd / 2, bs = kv->bs;
@@ -318,21 +319,104 @@ static void attend_f16_64(const float* q, const paged_kv* kv, int nkv, int j, in
 #undef ROW
     for (int c = 0; c < 8; c++) _mm256_storeu_ps(out + 8 * c, o[c]);
 }
+
+/* attend_f16_64 for the G query heads of KV head j at once, each with attend_f16_64's operations in its
+ * order (so each head's bits are the same): every 8 positions' K rows, then V rows, are converted to fp32
+ * once into L1 and read by all G heads, instead of once per head. q: G prepared queries of 64; sc[g],
+ * out[g]: head g's scores (n) and output (64). */
+static void attend_group_f16_64(const float* q, int G, const paged_kv* kv, int nkv, int j, int n, float* const* sc,
+                                float* const* out) {
+    const int bs = kv->bs;
+    float buf[8][64] __attribute__((aligned(32)));
+#define ROW(p, s) ((p) + (((size_t)kv->table[(s) / bs] * bs + (s) % bs) * nkv + j) * 64)
+#define LOAD8(pool, s0)                                                                                   \
+    for (int i = 0; i < 8; i++) {                                                                        \
+        const uint16_t* r = ROW(pool, (s0) + i);                                                         \
+        if ((s0) + i + 8 < n) { const char* pf = (const char*)ROW(pool, (s0) + i + 8); __builtin_prefetch(pf); __builtin_prefetch(pf + 64); } \
+        for (int c = 0; c < 8; c++) _mm256_store_ps(buf[i] + 8 * c, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(r + 8 * c)))); \
+    }
+    const uint16_t* kp = (const uint16_t*)kv->k;
+    int s = 0;
+    for (; s + 8 <= n; s += 8) {
+        LOAD8(kp, s)
+        for (int g = 0; g < G; g++) {
+            const float* qg = q + 64 * g;
+            __m256 a[8];
+            for (int i = 0; i < 8; i++) {
+                __m256 acc = _mm256_setzero_ps();
+                for (int c = 0; c < 8; c++)
+                    acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(qg + 8 * c), _mm256_load_ps(buf[i] + 8 * c)));
+                a[i] = acc;
+            }
+            const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+            const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+            _mm256_storeu_ps(sc[g] + s, _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31)));
+        }
+    }
+    for (; s < n; s++) {
+        kv_load(kv->k, NULL, KV_F16, (size_t)kv->table[s / bs] * bs + s % bs, nkv, j, 64, buf[0]);
+        for (int g = 0; g < G; g++) sc[g][s] = dot(q + 64 * g, buf[0], 64);
+    }
+    float inv[64];
+    for (int g = 0; g < G; g++) { /* attend_f16_64's softmax, per head */
+        float* scg = sc[g];
+        __m256 mv = _mm256_set1_ps(-INFINITY);
+        int t = 0;
+        for (; t + 8 <= n; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(scg + t));
+        float m8[8], mx = -INFINITY, sum = 0.0f;
+        _mm256_storeu_ps(m8, mv);
+        for (int i = 0; i < 8; i++) mx = m8[i] > mx ? m8[i] : mx;
+        for (; t < n; t++) mx = scg[t] > mx ? scg[t] : mx;
+        const __m256 mxv = _mm256_set1_ps(mx);
+        for (t = 0; t + 8 <= n; t += 8) _mm256_storeu_ps(scg + t, exp8_ieee(_mm256_sub_ps(_mm256_loadu_ps(scg + t), mxv)));
+        for (; t < n; t++) scg[t] = exp_ieee(scg[t] - mx);
+        for (t = 0; t < n; t++) sum += scg[t];
+        inv[g] = 1.0f / sum;
+        for (int c = 0; c < 8; c++) _mm256_storeu_ps(out[g] + 8 * c, _mm256_setzero_ps());
+    }
+    const uint16_t* vp = (const uint16_t*)kv->v;
+    for (s = 0; s < n; s += 8) {
+        const int cnt = n - s < 8 ? n - s : 8;
+        if (cnt == 8) {
+            LOAD8(vp, s)
+        } else {
+            for (int i = 0; i < cnt; i++) kv_load(kv->v, NULL, KV_F16, (size_t)kv->table[(s + i) / bs] * bs + (s + i) % bs, nkv, j, 64, buf[i]);
+        }
+        for (int g = 0; g < G; g++) {
+            __m256 o[8];
+            for (int c = 0; c < 8; c++) o[c] = _mm256_loadu_ps(out[g] + 8 * c);
+            for (int i = 0; i < cnt; i++) {
+                const __m256 pv = _mm256_set1_ps(sc[g][s + i] * inv[g]);
+                for (int c = 0; c < 8; c++) o[c] = _mm256_add_ps(o[c], _mm256_mul_ps(pv, _mm256_load_ps(buf[i] + 8 * c)));
+            }
+            for (int c = 0; c < 8; c++) _mm256_storeu_ps(out[g] + 8 * c, o[c]);
+        }
+    }
+#undef LOAD8
+#undef ROW
+}
 #endif
+
+/* Query head qs[hd] with RoPE, scaled, in the stored basis. */
+static inline __attribute__((always_inline)) void prepare_query(const float* qs, const int HD, const float* cos_row,
+                                                                 const float* sin_row, float scale, int rotated,
+                                                                 float* q) {
+    const int half = HD / 2;
+    for (int i = 0; i < half; i++) {
+        q[i] = (qs[i] * cos_row[i] - qs[i + half] * sin_row[i]) * scale;
+        q[i + half] = (qs[i + half] * cos_row[i + half] + qs[i] * sin_row[i + half]) * scale;
+    }
+    if (rotated) hadamard_rotate(q, HD);
+}
 
 /* scores sc[pos + 1] (scratch), out[hd]; HD: hd as a compile-time constant where it is 64. */
 static inline __attribute__((always_inline)) void attend_head_hd(const float* qkv, int nh, int nkv, const int HD,
                                                                   const float* cos_row, const float* sin_row,
                                                                   const paged_kv* kv, int pos, float scale, int h,
                                                                   float* out, float* sc) {
-    const int half = HD / 2, j = h / (nh / nkv), bs = kv->bs, n = pos + 1;
+    const int j = h / (nh / nkv), bs = kv->bs, n = pos + 1;
     float row[512], q[512], o[512];
-    const float* qs = qkv + h * HD;
-    for (int i = 0; i < half; i++) {  /* the query with RoPE, scaled, in the stored basis */
-        q[i] = (qs[i] * cos_row[i] - qs[i + half] * sin_row[i]) * scale;
-        q[i + half] = (qs[i + half] * cos_row[i + half] + qs[i] * sin_row[i + half]) * scale;
-    }
-    if (kv->rotated) hadamard_rotate(q, HD);
+    prepare_query(qkv + h * HD, HD, cos_row, sin_row, scale, kv->rotated, q);
 #if defined(__AVX2__) && defined(__F16C__)
     if (HD == 64 && kv->kind == KV_F16) {
         attend_f16_64(q, kv, nkv, j, n, sc, out);
@@ -373,6 +457,41 @@ static void attend_head(const float* qkv, int nh, int nkv, int hd, const float* 
         attend_head_hd(qkv, nh, nkv, 64, cos_row, sin_row, kv, pos, scale, h, out, sc);
     else
         attend_head_hd(qkv, nh, nkv, hd, cos_row, sin_row, kv, pos, scale, h, out, sc);
+}
+
+#define MAX_GROUP 16
+/* Whether attend_group serves this cache: fp16 rows of 64 (the default) and at most MAX_GROUP query heads
+ * per KV head, on a build with the AVX2 kernels. */
+static int group_attention(const int* dims) {
+#if defined(__AVX2__) && defined(__F16C__)
+    const int nh = dims[1], nkv = dims[2];
+    return dims[3] == 64 && dims[8] == KV_F16 && nh % nkv == 0 && nh / nkv <= MAX_GROUP;
+#else
+    (void)dims;
+    return 0;
+#endif
+}
+
+/* attend_head for every query head of KV head j (group_attention true): the same bits per head. out and
+ * sc: the row's attention output [nh * 64] and scores [nh][score_stride]. */
+static void attend_group(const float* qkv, int nh, int nkv, const float* cos_row, const float* sin_row,
+                         const paged_kv* kv, int pos, float scale, int j, float* out, float* sc, size_t score_stride) {
+#if defined(__AVX2__) && defined(__F16C__)
+    const int G = nh / nkv;
+    float q[MAX_GROUP * 64] __attribute__((aligned(32)));
+    float* scs[MAX_GROUP];
+    float* outs[MAX_GROUP];
+    for (int g = 0; g < G; g++) {
+        const int h = j * G + g;
+        prepare_query(qkv + h * 64, 64, cos_row, sin_row, scale, kv->rotated, q + 64 * g);
+        scs[g] = sc + (size_t)h * score_stride;
+        outs[g] = out + (size_t)h * 64;
+    }
+    attend_group_f16_64(q, G, kv, nkv, j, pos + 1, scs, outs);
+#else
+    (void)qkv; (void)nh; (void)nkv; (void)cos_row; (void)sin_row; (void)kv; (void)pos; (void)scale; (void)j;
+    (void)out; (void)sc; (void)score_stride;
+#endif
 }
 
 /* ---- one parallel region per step: a team of threads and its barrier ----------------------------- */
@@ -435,6 +554,7 @@ static int layers(int n_layers, int M, const int* dims, float eps, float scale, 
     const int max_pos = dims[5], nt = dims[6] > 1 ? dims[6] : 1, arith = dims[10];
     const int n_qkv = (nh + 2 * nkv) * hd;
     const size_t n_scores = (size_t)nh * (max_pos + 1);
+    const int group_mode = group_attention(dims);
     float* normed = scratch;
     float* qkv = normed + (size_t)M * dim;
     float* attn = qkv + (size_t)M * n_qkv;
@@ -471,14 +591,21 @@ static int layers(int n_layers, int M, const int* dims, float eps, float scale, 
                 kv_store_token(qkv + (size_t)m * n_qkv, nh, nkv, hd, cos_rows[m], sin_rows[m], &kv, pos[m]);
             }
             team_sync(&bar);
-            for (int u = M * nh * t / T; u < M * nh * (t + 1) / T; u++) {
-                const int m = u / nh, h = u % nh;
+            /* units: (row, query head), or (row, KV head) with its query heads sharing each K and V row's
+             * conversion when there are enough of them to keep every thread busy; the same bits either way */
+            const int by_group = group_mode && M * nkv >= 2 * T, per = by_group ? nkv : nh;
+            for (int u = M * per * t / T; u < M * per * (t + 1) / T; u++) {
+                const int m = u / per, h = u % per;
                 paged_kv kv = {kv_pools[4 * l], kv_pools[4 * l + 1], (float*)kv_pools[4 * l + 2],
                                (float*)kv_pools[4 * l + 3], tables + (one_sequence ? 0 : (size_t)m * table_stride),
                                dims[7], dims[8], dims[9]};
-                attend_head(qkv + (size_t)m * n_qkv, nh, nkv, hd, cos_rows[m], sin_rows[m], &kv, pos[m], scale,
-                            h, attn + ((size_t)m * nh + h) * hd,
-                            scores + (size_t)m * n_scores + (size_t)h * (max_pos + 1));
+                if (by_group)
+                    attend_group(qkv + (size_t)m * n_qkv, nh, nkv, cos_rows[m], sin_rows[m], &kv, pos[m], scale, h,
+                                 attn + (size_t)m * nh * hd, scores + (size_t)m * n_scores, (size_t)max_pos + 1);
+                else
+                    attend_head(qkv + (size_t)m * n_qkv, nh, nkv, hd, cos_rows[m], sin_rows[m], &kv, pos[m], scale,
+                                h, attn + ((size_t)m * nh + h) * hd,
+                                scores + (size_t)m * n_scores + (size_t)h * (max_pos + 1));
             }
             team_sync(&bar);
             if ((rc = team_gemm(lk[1], arith, lw[1], dim, nh * hd, attn, M, o, ws, t, &bar))) break;
