@@ -18,6 +18,7 @@ single-stream generator, so a request's text here equals the local engine's.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import threading
 import time
@@ -60,10 +61,13 @@ class Job:
 class BatchEngine:
     def __init__(self, model, tokenizer, template: ChatTemplate, n_ctx: int,
                  kv_config: KVCacheConfig | None = None, config: SchedulerConfig | None = None,
-                 model_name: str = "model", fused: bool = True):
+                 model_name: str = "model", fused: bool = True, source: str = "cloud", step_lock=None):
+        """source: what its events say they came from ("cloud" on the worker, "local" on the device);
+        step_lock: held while a step computes (the device's single-stream path shares the weights)."""
         from kernels.kv_cache import PagedKVCache
 
         self.model, self.tokenizer, self.template, self.model_name = model, tokenizer, template, model_name
+        self.source, self.step_lock = source, step_lock or contextlib.nullcontext()
         self.kv_config = kv = kv_config or KVCacheConfig()
         cfg = model.cfg
         budget = kv.budget_bytes(cfg, n_ctx, model.device)
@@ -93,6 +97,7 @@ class BatchEngine:
         self._stop = threading.Event()
         self.thread: threading.Thread | None = None
         self.num_steps = 0
+        self.max_sequences = 0  # the most sequences one step has carried
         self.tokens_generated = 0
         self._recent: collections.deque = collections.deque()  # (time, tokens) of recent steps
 
@@ -192,8 +197,10 @@ class BatchEngine:
         out = self.scheduler.schedule()
         if not out.chunks:
             return 0
-        logits = self.runner.run(out.chunks, out.copies)
+        with self.step_lock:
+            logits = self.runner.run(out.chunks, out.copies)
         self.num_steps += 1
+        self.max_sequences = max(self.max_sequences, len(out.chunks))
         sampled = 0
         for chunk, row in zip(out.chunks, logits):
             job = self._by_seq.get(chunk.seq.seq_id)
@@ -226,7 +233,7 @@ class BatchEngine:
             self._finish(job, "length")
 
     def _delta(self, job: Job, text: str, token_ids: list[int]) -> None:
-        job.sink(StreamEvent("delta", seq=job.next_seq, text=text, token_ids=token_ids, source="cloud"))
+        job.sink(StreamEvent("delta", seq=job.next_seq, text=text, token_ids=token_ids, source=self.source))
         job.next_seq += 1
 
     def _finish(self, job: Job, reason: str, flush: bool = True) -> None:
@@ -242,7 +249,7 @@ class BatchEngine:
         first = job.t_first or now
         info = {"ttft_ms": (first - job.t_submit) * 1000.0, "total_s": now - job.t_submit,
                 "preemptions": job.seq.num_preemptions, "cached_prompt_tokens": job.seq.num_cached_tokens}
-        job.sink(StreamEvent("finish", seq=job.next_seq, finish_reason=reason, source="cloud", info=info,
+        job.sink(StreamEvent("finish", seq=job.next_seq, finish_reason=reason, source=self.source, info=info,
                              usage=Usage(job.seq.num_prompt_tokens, len(job.generated))))
 
     # --- views -----------------------------------------------------------------------------------------
@@ -251,7 +258,8 @@ class BatchEngine:
         window = [n for t, n in self._recent if now - t <= 10.0]
         span = (now - self._recent[0][0]) if self._recent else 0.0
         return {**self.scheduler.stats(), "num_steps": self.num_steps, "tokens_generated": self.tokens_generated,
-                "tokens_per_s": sum(window) / span if span > 0 else 0.0, "num_jobs": len(self.jobs)}
+                "tokens_per_s": sum(window) / span if span > 0 else 0.0, "num_jobs": len(self.jobs),
+                "max_sequences": self.max_sequences}
 
 
 def load_engine(model: str = "default", n_ctx: int = 4096, threads: int | None = None, quant: str = "auto",

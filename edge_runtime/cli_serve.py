@@ -15,6 +15,9 @@ def add_serve_args(p) -> None:
     p.add_argument("--max-in-flight", type=int, default=8, help="requests generating at once; more get 429")
     p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request gives none")
     p.add_argument("--model-id", default=None, help="the id /v1/models reports (default: the model file's name)")
+    p.add_argument("--max-batch", type=int, default=None,
+                   help="native backend: concurrent requests share decode steps, up to this many sequences per step "
+                        "(default 8; 1: one request at a time)")
     p.add_argument("--resume-grace", type=float, default=30.0,
                    help="seconds a /v1/stream stream outlives its connection (resumable meanwhile)")
 
@@ -37,7 +40,23 @@ def build_gateway(args, make_backend):
         raise EdgeRuntimeError("--max-in-flight and --default-max-tokens must be >= 1")
     if not args.resume_grace >= 0:
         raise EdgeRuntimeError(f"--resume-grace must be >= 0 seconds, not {args.resume_grace:g}")
-    runtime = make_runtime(args, make_backend)
+    if args.max_batch is not None and args.max_batch < 1:
+        raise EdgeRuntimeError(f"--max-batch must be >= 1, not {args.max_batch}")
+
+    def make_local(a):
+        backend = make_backend(a)
+        if args.max_batch == 1:
+            return backend
+        from .backends import batched
+
+        if not batched.usable(backend):
+            if args.max_batch is not None:  # asked for explicitly: say it does not apply rather than ignore it
+                raise EdgeRuntimeError(f"--max-batch applies to the native backend with GGUF weights and its C "
+                                       f"kernels on the CPU, not to {backend.name} (one request at a time there)")
+            return backend
+        return batched.BatchedNative(backend, args.max_batch or 8)
+
+    runtime = make_runtime(args, make_local)
     model_id = args.model_id or os.path.splitext(os.path.basename(getattr(runtime.local, "path", args.model)))[0]
     gw = Gateway(runtime, model_id, api_key=_api_key(args), max_in_flight=args.max_in_flight,
                  default_max_tokens=args.default_max_tokens)

@@ -189,7 +189,8 @@ def create_app(gateway: Gateway, resume_grace_s: float = 30.0) -> FastAPI:
             cloud = {"state": h.state if h else "unknown", "detail": h.describe() if h else ""}
         return {"status": "ok", "model": gw.model_id, "offline": rt.offline, "cloud": cloud,
                 "in_flight": gw.in_flight, "uptime_s": round(time.time() - gw.started, 1),
-                "sampling_defaults": gw.sampling.as_dict()}
+                "sampling_defaults": gw.sampling.as_dict(),
+                "local_engine": rt.local.engine.stats() if hasattr(rt.local, "engine") else None}
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():

@@ -1,0 +1,114 @@
+"""Continuous batching on the device: concurrent requests to the native backend share engine steps.
+
+`BatchedNative` wraps a NativeBackend. Its requests go to a BatchEngine (the
+worker's continuous-batching engine, batch_engine.py) running on its own
+thread over a shallow copy of the same model: the weights are shared, the
+paged KV cache and the fused decoder are the engine's own. So two clients of
+`edge-runtime serve` no longer wait for each other: their tokens are rows of
+the same steps. A request that asks for per-token confidences (the hybrid
+runtime's escalation monitor) goes to the wrapped backend's single-stream path
+instead, which also drafts; engine steps and that path never compute at once
+(they share the weights' scratch), so such a request waits for the step in
+flight and the engine for it.
+
+Each row of a batched step gets the one-token step's bits (`--arith int8`:
+tests/edge_runtime/test_fused_decode.py), and prompts go through the same
+chunked prefill as the single-stream path, so a greedy answer here equals the
+same request answered alone (tested through `serve`). The engine does not draft
+yet: drafting inside the batch is a later step.
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+import queue
+import threading
+import time
+from typing import Iterator
+
+import torch
+
+from ..batch_engine import BatchEngine
+from ..request import GenerationRequest, StreamEvent
+from ..scheduler import SchedulerConfig
+from .base import Backend
+
+
+def usable(backend) -> bool:
+    """Whether `backend` can batch: the native backend on the CPU with the file's blocks and our C kernels."""
+    model = getattr(backend, "model", None)
+    return (getattr(backend, "name", "") == "native" and getattr(backend, "quant", None) == "gguf"
+            and bool(getattr(backend, "fused", False)) and model is not None and model.device.type == "cpu")
+
+
+class BatchedNative(Backend):
+    name = "native"
+
+    def __init__(self, inner, max_batch: int = 8):
+        # NOTE: Backend.__init__ is not called: drafting, sampling defaults and the single-stream lock are the
+        # wrapped backend's (see __getattr__)
+        self.inner = inner
+        engine_model = copy.copy(inner.model)  # the same modules (weights); its own cache and fused decoder below
+        engine_model.kv = engine_model.fused = engine_model.last_hidden = None
+        config = SchedulerConfig(max_batch, max(512, 256 + max_batch), 256)
+        self.engine = BatchEngine(engine_model, inner.tokenizer, inner.template, inner.n_ctx,
+                                  kv_config=inner.kv_config, config=config, model_name="native", source="local",
+                                  step_lock=inner._lock).start()
+        self.max_batch = max_batch
+        self._ids = itertools.count()
+
+    def __getattr__(self, name):  # everything else is the wrapped backend's (runner, template, path, draft, ...)
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    @property
+    def n_ctx(self) -> int:
+        return min(self.inner.n_ctx, self.engine.n_ctx)
+
+    def set_draft(self, name: str, k: int | None = None, allow_inexact: bool = False) -> None:
+        self.inner.set_draft(name, k, allow_inexact)
+
+    def logits(self, token_ids: list[int]) -> torch.Tensor:
+        return self.inner.logits(token_ids)
+
+    def close(self) -> None:
+        self.engine.stop()
+
+    def stream_sync(self, request: GenerationRequest, cancel: threading.Event | None = None) -> Iterator[StreamEvent]:
+        """start, delta..., finish, as the single-stream path yields them; bad input raises before start."""
+        if request.confidence:  # the escalation monitor reads per-token confidences: the single-stream path
+            yield from self.inner.stream_sync(request, cancel)
+            return
+        ids = self.engine.prepare(request)
+        rid = f"local-{next(self._ids)}"
+        events: queue.Queue = queue.Queue()
+        t0 = time.perf_counter()
+        yield StreamEvent("start", info={"backend": self.name, "prompt_tokens": len(ids)})
+        self.engine.submit(rid, request, events.put, prompt_token_ids=ids)
+        cancelled, done, first, generated = False, False, None, 0
+        try:
+            while True:
+                if cancel is not None and cancel.is_set() and not cancelled:
+                    self.engine.cancel(rid)  # its KV blocks are freed at once; it finishes "cancelled"
+                    cancelled = True
+                try:
+                    ev = events.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                if ev.type == "delta":
+                    first = first or time.perf_counter()
+                    generated += len(ev.token_ids)
+                    yield ev
+                    continue
+                now = time.perf_counter()
+                decode_s = now - (first or now)
+                ev.info = {**ev.info, "backend": self.name, "ttft_ms": ((first or now) - t0) * 1000.0,
+                           "decode_tok_per_s": (generated - 1) / decode_s if generated > 1 and decode_s > 0 else 0.0,
+                           "total_s": now - t0}
+                done = True
+                yield ev
+                return
+        finally:
+            if not done and not cancelled:  # the reader left early (a closed generator): stop generating for it
+                self.engine.cancel(rid)
