@@ -254,6 +254,10 @@ def cmd_bench(args) -> int:
         from .bench_spec import run_spec_bench
 
         return run_spec_bench(args)
+    if args.name == "serve":
+        from .bench_serve import run_serve_bench
+
+        return run_serve_bench(args)
     if args.name == "hybrid":
         from cloud_fallback.bench_hybrid import run_hybrid_bench
 
@@ -347,7 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_demo)
 
     b = sub.add_parser("bench", help="benchmarks (each against its anchor, in one run)")
-    b.add_argument("name", choices=["decode", "kv", "attention", "batching", "hybrid", "spec", "report"])
+    b.add_argument("name", choices=["decode", "kv", "attention", "batching", "hybrid", "spec", "serve", "report"])
     b.add_argument("--dir", default="bench-results", help="report: directory of benchmark JSON files")
     b.add_argument("--out", default=None, help="report: output directory (default DIR/report)")
     b.add_argument("--model", default="default")
@@ -378,6 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--questions", type=int, default=80, help="spec: MT-Bench first turns to run (of 80)")
     bs.add_argument("--grounded", type=int, default=12, help="spec: input-grounded prompts to run")
     bs.add_argument("--spec-tokens", type=int, default=128, help="spec: tokens per answer")
+    bv = b.add_argument_group("serve")
+    bv.add_argument("--serve-requests", type=int, default=8, help="serve: requests sent one at a time, then at once")
+    bv.add_argument("--serve-tokens", type=int, default=128, help="serve: tokens per answer")
     b.set_defaults(func=cmd_bench)
     return parser
 
