@@ -133,6 +133,8 @@ def measure(url: str, prompts: list[str], tokens: int) -> dict:
 
 
 def run_serve_bench(args) -> int:
+    import torch
+
     from .bench import machine
 
     n = args.serve_requests
@@ -142,12 +144,13 @@ def run_serve_bench(args) -> int:
         raise EdgeRuntimeError("--serve-requests and --serve-tokens must be >= 1")
     prompts = (PROMPTS * (n // len(PROMPTS) + 1))[:n]
     tokens = args.serve_tokens
-    out = {"benchmark": "serve", "model": args.model, "threads": args.threads, **machine(),
+    threads = args.threads or torch.get_num_threads()
+    out = {"benchmark": "serve", "model": args.model, "threads": threads, **machine(),
            "workload": {"requests": n, "tokens_per_request": tokens, "greedy": True, "ignore_eos": True,
                         "short_request_tokens": 8, "long_answer_tokens": 400},
            "targets": {"concurrent_over_sequential": 3.0, "short_ttft_ratio": 2.0}}
     for name, extra in (("batched", ["--max-batch", str(max(8, n))]), ("single_stream", ["--max-batch", "1"])):
-        s = _Serve("--model", args.model, *extra, threads=args.threads)
+        s = _Serve("--model", args.model, *extra, threads=threads)
         try:
             out[name] = measure(s.url, prompts, tokens)
         finally:
