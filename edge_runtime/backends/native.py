@@ -8,6 +8,7 @@ Prompts are evaluated in chunks of `n_batch` tokens.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 
@@ -55,6 +56,9 @@ class NativeRunner:
         self.last_hidden: torch.Tensor | None = None  # set by prefill()
         self.hidden_rows: torch.Tensor | None = None  # [T, dim]: set by step() and verify(), one row per token
         self._cache_arith = self._arith()  # the GEMV arithmetic the prefix cache's K/V were computed with
+        # held while the model computes: batched.py shares it with a batch engine on the same weights, so the two
+        # take turns by step instead of oversubscribing the cores
+        self.compute_lock = contextlib.nullcontext()
 
     def tokenize(self, text: str, special: bool = True) -> list[int]:
         return self.tokenizer.encode(text, special=special)
@@ -98,9 +102,10 @@ class NativeRunner:
         device = self.model.device
         table = self.blocks.block_table(self.seq)
         outs = []
-        for start in range(0, len(token_ids), self.n_batch):
-            chunk = torch.tensor(token_ids[start:start + self.n_batch], dtype=torch.long, device=device)
-            outs.append(self.model(chunk, pos0 + start, all_logits=all_logits, block_table=table))
+        with self.compute_lock:
+            for start in range(0, len(token_ids), self.n_batch):
+                chunk = torch.tensor(token_ids[start:start + self.n_batch], dtype=torch.long, device=device)
+                outs.append(self.model(chunk, pos0 + start, all_logits=all_logits, block_table=table))
         self.cached_ids.extend(token_ids)
         self.blocks.commit(self.seq, len(self.cached_ids))  # evaluated and accepted: cacheable
         return torch.cat(outs) if all_logits else outs[-1][-1]
@@ -128,7 +133,8 @@ class NativeRunner:
             raise ContextLengthError("the KV cache is full")
         pos0, table = len(self.cached_ids), self.blocks.block_table(self.seq)
         if self.model.fused is not None:  # row i is bit for bit the one-token step: drafting stays lossless
-            out = self.model.fused.step_chunk(token_ids, pos0, table)
+            with self.compute_lock:
+                out = self.model.fused.step_chunk(token_ids, pos0, table)
             self.hidden_rows = self.model.fused.chunk_hidden
         else:  # the torch path's T-row kernels round differently from its one-token step: step one by one
             rows, hidden = [], []

@@ -1,7 +1,6 @@
 """Continuous batching on the device, through a real `edge-runtime serve` and the official `openai` client:
-concurrent requests share engine steps, each answer equal to the same request answered alone; a short
-request does not wait for a long answer; a client that leaves frees its KV blocks at once; --max-batch 1
-keeps one request at a time."""
+concurrent requests share engine steps, each answer equal to the same request answered alone; a short request does not wait for a long answer; a client that leaves frees its
+KV blocks at once; --max-batch 1 keeps one request at a time."""
 import json
 import threading
 import time
@@ -77,14 +76,17 @@ def test_a_short_request_does_not_wait_for_a_long_answer(client):
 
 
 def test_a_client_that_leaves_frees_its_kv_blocks(gw, client):
-    stream = client.chat.completions.create(
-        model="default", messages=[{"role": "user", "content": "Write a very long story about a dragon."}],
-        max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True})
-    for i, _ in enumerate(stream):
-        if i == 5:
-            break
-    assert health(gw)["local_engine"]["num_jobs"] == 1
-    stream.close()  # the connection goes: the gateway cancels, the engine frees the blocks
+    def long_stream():
+        s = client.chat.completions.create(
+            model="default", messages=[{"role": "user", "content": "Write a very long story about a dragon."}],
+            max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True})
+        for i, _ in enumerate(s):
+            if i == 5:
+                return s
+    first, stream = long_stream(), long_stream()
+    assert health(gw)["local_engine"]["num_jobs"] == 2
+    first.close()
+    stream.close()  # the connections go: the gateway cancels, the engine frees the blocks
     deadline = time.time() + 30
     while health(gw)["local_engine"]["num_jobs"] and time.time() < deadline:
         time.sleep(0.1)
