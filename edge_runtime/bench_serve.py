@@ -14,14 +14,11 @@ are the anchor in the same run. Machine, ISA, threads and commit go into the JSO
 from __future__ import annotations
 
 import json
-import os
-import re
-import signal
 import statistics
-import subprocess
-import sys
 import threading
 import time
+
+from .server.process import ServeProcess
 
 PROMPTS = ["Explain how a rainbow forms.", "Write a short story about a lighthouse keeper.",
            "Describe the water cycle.", "What makes a good friend?", "Explain how a bicycle works.",
@@ -32,30 +29,6 @@ PROMPTS = ["Explain how a rainbow forms.", "Write a short story about a lighthou
 SHORT = "What is the capital of France?"
 LONG = "Write a very long story about a dragon."
 KEY = "bench-serve-key"
-
-
-class _Serve:
-    def __init__(self, *args: str, threads: int | None = None):
-        cmd = [sys.executable, "-m", "edge_runtime", "serve", "--port", "0", "--api-key", KEY, "--draft", "auto",
-               *(["--threads", str(threads)] if threads else []), *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     start_new_session=True)
-        threading.Thread(target=lambda: [None for _ in self.proc.stderr], daemon=True).start()
-        line = self.proc.stdout.readline()
-        m = re.search(r"listening on (http://[\d.]+:\d+)", line)
-        if not m:
-            self.stop()
-            raise RuntimeError(f"serve did not start: {line}")
-        self.url = m.group(1)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
 
 
 def _stream(client, prompt: str, max_tokens: int) -> dict:
@@ -150,7 +123,7 @@ def run_serve_bench(args) -> int:
                         "short_request_tokens": 8, "long_answer_tokens": 400},
            "targets": {"concurrent_over_sequential": 3.0, "short_ttft_ratio": 2.0}}
     for name, extra in (("batched", ["--max-batch", str(max(8, n))]), ("single_stream", ["--max-batch", "1"])):
-        s = _Serve("--model", args.model, *extra, threads=threads)
+        s = ServeProcess("--model", args.model, "--draft", "auto", *extra, key=KEY, threads=threads)
         try:
             out[name] = measure(s.url, prompts, tokens)
         finally:

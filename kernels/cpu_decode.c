@@ -273,6 +273,22 @@ static inline __m256 dot8_f16_64(const __m256* q, const uint16_t* const* k) {
     return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
 }
 
+/* sc[0..n) <- exp(sc - max) (8 lanes at a time, then the rest); returns 1 / their sum, added in order */
+static inline float softmax_exp(float* sc, int n) {
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    int s = 0;
+    for (; s + 8 <= n; s += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sc + s));
+    float m8[8], mx = -INFINITY, sum = 0.0f;
+    _mm256_storeu_ps(m8, mv);
+    for (int i = 0; i < 8; i++) mx = m8[i] > mx ? m8[i] : mx;
+    for (; s < n; s++) mx = sc[s] > mx ? sc[s] : mx;
+    const __m256 mxv = _mm256_set1_ps(mx);
+    for (s = 0; s + 8 <= n; s += 8) _mm256_storeu_ps(sc + s, exp8_ieee(_mm256_sub_ps(_mm256_loadu_ps(sc + s), mxv)));
+    for (; s < n; s++) sc[s] = exp_ieee(sc[s] - mx);
+    for (s = 0; s < n; s++) sum += sc[s];
+    return 1.0f / sum;
+}
+
 /* attend_head_hd for hd = 64 and fp16 rows (the default cache), the same arithmetic with the scores of
  * 8 positions, their exps and the output row kept in registers. q: the prepared query. */
 static void attend_f16_64(const float* q, const paged_kv* kv, int nkv, int j, int n, float* sc, float* out) {
@@ -295,17 +311,7 @@ static void attend_f16_64(const float* q, const paged_kv* kv, int nkv, int j, in
         kv_load(kv->k, NULL, KV_F16, (size_t)kv->table[s / bs] * bs + s % bs, nkv, j, 64, row);
         sc[s] = dot(q, row, 64);
     }
-    __m256 mv = _mm256_set1_ps(-INFINITY);
-    for (s = 0; s + 8 <= n; s += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sc + s));
-    float m8[8], mx = -INFINITY, sum = 0.0f;
-    _mm256_storeu_ps(m8, mv);
-    for (int i = 0; i < 8; i++) mx = m8[i] > mx ? m8[i] : mx;
-    for (; s < n; s++) mx = sc[s] > mx ? sc[s] : mx;
-    const __m256 mxv = _mm256_set1_ps(mx);
-    for (s = 0; s + 8 <= n; s += 8) _mm256_storeu_ps(sc + s, exp8_ieee(_mm256_sub_ps(_mm256_loadu_ps(sc + s), mxv)));
-    for (; s < n; s++) sc[s] = exp_ieee(sc[s] - mx);
-    for (s = 0; s < n; s++) sum += sc[s];
-    const float inv = 1.0f / sum;
+    const float inv = softmax_exp(sc, n);
     pool = (const uint16_t*)kv->v;
     __m256 o[8];
     for (int c = 0; c < 8; c++) o[c] = _mm256_setzero_ps();
@@ -358,20 +364,8 @@ static void attend_group_f16_64(const float* q, int G, const paged_kv* kv, int n
         for (int g = 0; g < G; g++) sc[g][s] = dot(q + 64 * g, buf[0], 64);
     }
     float inv[64];
-    for (int g = 0; g < G; g++) { /* attend_f16_64's softmax, per head */
-        float* scg = sc[g];
-        __m256 mv = _mm256_set1_ps(-INFINITY);
-        int t = 0;
-        for (; t + 8 <= n; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(scg + t));
-        float m8[8], mx = -INFINITY, sum = 0.0f;
-        _mm256_storeu_ps(m8, mv);
-        for (int i = 0; i < 8; i++) mx = m8[i] > mx ? m8[i] : mx;
-        for (; t < n; t++) mx = scg[t] > mx ? scg[t] : mx;
-        const __m256 mxv = _mm256_set1_ps(mx);
-        for (t = 0; t + 8 <= n; t += 8) _mm256_storeu_ps(scg + t, exp8_ieee(_mm256_sub_ps(_mm256_loadu_ps(scg + t), mxv)));
-        for (; t < n; t++) scg[t] = exp_ieee(scg[t] - mx);
-        for (t = 0; t < n; t++) sum += scg[t];
-        inv[g] = 1.0f / sum;
+    for (int g = 0; g < G; g++) {
+        inv[g] = softmax_exp(sc[g], n);
         for (int c = 0; c < 8; c++) _mm256_storeu_ps(out[g] + 8 * c, _mm256_setzero_ps());
     }
     const uint16_t* vp = (const uint16_t*)kv->v;
