@@ -27,6 +27,12 @@ def render_metrics(worker) -> str:
               "cache.", s["num_hit_tokens"])
         _line(out, "edge_worker_preemptions_total", "counter", "Sequences preempted (recomputed later).",
               s.get("num_preemptions", 0))
+    if s.get("draft"):
+        d = s["draft"]
+        _line(out, "edge_worker_draft_verifications_total", "counter", "Draft verifications (a sequence alone, "
+              "--draft ngram).", d["verifications"])
+        _line(out, "edge_worker_draft_tokens_total", "counter", "Draft tokens proposed.", d["proposed"])
+        _line(out, "edge_worker_draft_accepted_total", "counter", "Draft tokens accepted.", d["accepted"])
     _line(out, "edge_worker_tokens_per_second", "gauge", "Generated tokens per second over the last 10 s.",
           float(s.get("tokens_per_s", 0.0)))
     _line(out, "edge_worker_generated_tokens_total", "counter", "Tokens generated.", s.get("tokens_generated", 0))

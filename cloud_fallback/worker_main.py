@@ -26,6 +26,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--upstream-model", default=None, help="model name on the upstream server (default: its first)")
     p.add_argument("--upstream-key-file", default=None, help="file holding the upstream server's API key")
     p.add_argument("--max-batch", type=int, default=8, help="sequences per step (continuous batching)")
+    p.add_argument("--draft", default="none", choices=["none", "ngram"],
+                   help="speculative decoding, output unchanged: ngram = prompt-lookup drafts for a sequence that "
+                        "runs alone (with company, every sequence decodes one token per step)")
     p.add_argument("--max-batched-tokens", type=int, default=512, help="tokens computed per step")
     p.add_argument("--chunk-size", type=int, default=256, help="prefill chunk size (a multiple of 16)")
     p.add_argument("--max-tokens", dest="limit_max_tokens", type=int, default=2048, help="limit on max_tokens")
@@ -74,7 +77,7 @@ def _limits(args) -> WorkerLimits:
 
 # the worker's own engine's flags and their defaults: with --upstream none of them applies
 ENGINE_FLAGS = {"quant": "auto", "kv_dtype": "fp16", "kv_budget": None, "max_batch": 8, "max_batched_tokens": 512,
-                "chunk_size": 256}
+                "chunk_size": 256, "draft": "none"}
 
 
 def _refuse_what_does_not_apply(args) -> None:
@@ -115,7 +118,7 @@ def run_worker(args) -> int:
         except ValueError as e:
             raise EdgeRuntimeError(str(e)) from None
         engine = load_engine(args.model, n_ctx=args.ctx, threads=args.threads, quant=args.quant, device=args.device,
-                             kv_dtype=args.kv_dtype, kv_budget=args.kv_budget, config=config)
+                             kv_dtype=args.kv_dtype, kv_budget=args.kv_budget, config=config, draft=args.draft)
     if token is None:
         token = secrets.token_urlsafe(24)
         print(f"edge-runtime worker: token {token} (pass --token-file to choose one)", file=sys.stderr, flush=True)

@@ -56,14 +56,22 @@ class Job:
     done: bool = False
     t_submit: float = field(default_factory=time.perf_counter)
     t_first: float | None = None
+    drafting: object = None  # engine_draft.LoneDrafting while it runs alone with drafts
 
 
 class BatchEngine:
     def __init__(self, model, tokenizer, template: ChatTemplate, n_ctx: int,
                  kv_config: KVCacheConfig | None = None, config: SchedulerConfig | None = None,
-                 model_name: str = "model", fused: bool = True, source: str = "cloud", step_lock=None):
+                 model_name: str = "model", fused: bool = True, source: str = "cloud", step_lock=None,
+                 draft: str = "none"):
         """source: what its events say they came from ("cloud" on the worker, "local" on the device);
-        step_lock: held while a step computes (the device's single-stream path shares the weights)."""
+        step_lock: held while a step computes (the device's single-stream path shares the weights);
+        draft: "ngram" drafts for a sequence that runs alone (engine_draft.py), "none" never."""
+        from .engine_draft import DRAFTS
+
+        if draft not in DRAFTS:
+            raise ValueError(f"the batch engine drafts with {' or '.join(DRAFTS)}, not {draft!r}")
+        self.draft = draft
         from kernels.kv_cache import PagedKVCache
 
         self.model, self.tokenizer, self.template, self.model_name = model, tokenizer, template, model_name
@@ -98,6 +106,7 @@ class BatchEngine:
         self.thread: threading.Thread | None = None
         self.num_steps = 0
         self.max_sequences = 0  # the most sequences one step has carried
+        self._draft_done = (0, 0, 0)  # verifications, drafts proposed, drafts accepted of finished jobs
         self.tokens_generated = 0
         self._recent: collections.deque = collections.deque()  # (time, tokens) of recent steps
 
@@ -189,6 +198,8 @@ class BatchEngine:
             elif kind == "hold":
                 job.seq.held = arg[1]
             elif kind == "park" and not job.parked:
+                if job.drafting is not None:
+                    job.drafting.leave(job)
                 job.parked = True
                 self.scheduler.finish(job.seq)  # its blocks go back at once
             elif kind == "unpark" and job.parked:
@@ -198,6 +209,14 @@ class BatchEngine:
     def step(self) -> int:
         """One scheduler step; returns the number of tokens computed."""
         self._apply_commands()
+        lone = self._lone_job()
+        if lone is not None:
+            rows = self._draft_step(lone)
+            if rows:
+                return rows
+        for job in self.jobs.values():  # with company, nobody drafts: back to plain rows of the batch
+            if job.drafting is not None:
+                job.drafting.leave(job)
         out = self.scheduler.schedule()
         if not out.chunks:
             return 0
@@ -221,6 +240,37 @@ class BatchEngine:
         while self._recent and now - self._recent[0][0] > 10.0:
             self._recent.popleft()
         return out.num_tokens
+
+    def _lone_job(self) -> Job | None:
+        """The job to draft for this step: the only one running, nothing waiting, past its first token."""
+        running = self.scheduler.running
+        if self.draft == "none" or len(running) != 1 or self.scheduler.waiting or self.model.fused is None:
+            return None
+        job = self._by_seq.get(running[0].seq_id)
+        if job is None or job.done or job.seq.held or not job.generated:
+            return None
+        entered = job.drafting is not None and job.drafting.logits is not None
+        if not entered and job.seq.num_computed != job.seq.num_tokens - 1:
+            return None  # its prompt (or, after a preemption, its recompute) is not all computed yet
+        return job
+
+    def _draft_step(self, job: Job) -> int:
+        from .engine_draft import LoneDrafting, NoRoom
+
+        if job.drafting is None:
+            job.drafting = LoneDrafting(self, job)
+        before = len(job.generated)
+        try:
+            rows = job.drafting.run(job, self._emit_token)
+        except NoRoom:
+            job.drafting.leave(job)
+            return 0
+        self.num_steps += 1
+        self.max_sequences = max(self.max_sequences, 1)
+        sampled = len(job.generated) - before
+        self.tokens_generated += sampled
+        self._recent.append((time.perf_counter(), sampled))
+        return rows
 
     def _emit_token(self, job: Job, token: int) -> None:
         if job.t_first is None:
@@ -247,6 +297,11 @@ class BatchEngine:
             if tail and reason != "cancelled":
                 self._delta(job, tail, [])
         job.done = True
+        if job.drafting is not None:  # its draft figures stay in the engine's totals
+            s = job.drafting.spec
+            self._draft_done = (self._draft_done[0] + s.verify_steps, self._draft_done[1] + s.proposed,
+                                self._draft_done[2] + s.accepted)
+            job.drafting = None
         self.scheduler.finish(job.seq)
         del self.jobs[job.id], self._by_seq[job.seq.seq_id]
         now = time.perf_counter()
@@ -263,12 +318,20 @@ class BatchEngine:
         span = (now - self._recent[0][0]) if self._recent else 0.0
         return {**self.scheduler.stats(), "num_steps": self.num_steps, "tokens_generated": self.tokens_generated,
                 "tokens_per_s": sum(window) / span if span > 0 else 0.0, "num_jobs": len(self.jobs),
-                "max_sequences": self.max_sequences}
+                "max_sequences": self.max_sequences, "draft": self.draft_stats()}
+
+    def draft_stats(self) -> dict:
+        v, p, a = self._draft_done
+        for job in self.jobs.values():
+            if job.drafting is not None:
+                s = job.drafting.spec
+                v, p, a = v + s.verify_steps, p + s.proposed, a + s.accepted
+        return {"method": self.draft, "verifications": v, "proposed": p, "accepted": a}
 
 
 def load_engine(model: str = "default", n_ctx: int = 4096, threads: int | None = None, quant: str = "auto",
                 device: str = "cpu", kv_dtype: str = "fp16", kv_budget: str | int | float | None = None,
-                kv_block_size: int = 16, config: SchedulerConfig | None = None) -> BatchEngine:
+                kv_block_size: int = 16, config: SchedulerConfig | None = None, draft: str = "none") -> BatchEngine:
     """A BatchEngine on a GGUF model (the default model unless named), loaded as the native backend does."""
     import os
 
@@ -285,4 +348,4 @@ def load_engine(model: str = "default", n_ctx: int = 4096, threads: int | None =
     net, gf = load_model(model, quant=quant, device=device)
     name = gf.metadata.get("general.name") or os.path.splitext(os.path.basename(gf.path))[0]
     return BatchEngine(net, Tokenizer.from_metadata(gf.metadata), ChatTemplate.from_metadata(gf.metadata),
-                       min(n_ctx, net.cfg.max_context), kv, config, model_name=str(name))
+                       min(n_ctx, net.cfg.max_context), kv, config, model_name=str(name), draft=draft)

@@ -33,7 +33,13 @@ def report(device: str | None = None, backend: str | None = None) -> dict:
     except devices.DeviceError as e:
         raise EdgeRuntimeError(e.message) from None
     reasons = choice.pop("reasons")
-    return {"found": found, "chosen": choice, "reasons": reasons, "kernels": kernels_report()}
+    kernels = kernels_report()
+    batched = (choice["backend"] == "native" and choice["quant"] == "gguf" and choice["device"] == "cpu"
+               and kernels["available"])
+    choice["serve_concurrency"] = ("concurrent requests share decode steps" if batched else
+                                   f"one request at a time ({choice['backend']}"
+                                   f"{'' if choice['backend'] != 'native' else ' without the GGUF C kernels'})")
+    return {"found": found, "chosen": choice, "reasons": reasons, "kernels": kernels}
 
 
 def kernels_report() -> dict:
@@ -87,6 +93,7 @@ def format_report(out: dict) -> str:
                  f"(budget {_size(c['kv_budget_bytes'])}, blocks of {c['block_size']} tokens), "
                  f"threads {c['threads']}")
     lines.append(f"  onnxruntime providers: {', '.join(c['providers'])}")
+    lines.append(f"  serve: {c['serve_concurrency']}")
     k = out["kernels"]
     lines.append(f"  kernels: ISA variant {k['isa_variant']} (runnable here: {', '.join(k['runnable'])}), "
                  f"arithmetic {k['arith']}" if k["available"] else f"  kernels: unavailable ({k['reason']})")

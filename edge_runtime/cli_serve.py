@@ -63,6 +63,13 @@ def build_gateway(args, make_backend):
     return gw, create_app(gw, resume_grace_s=args.resume_grace)
 
 
+def _concurrency(local) -> str:
+    engine = getattr(local, "engine", None)
+    if engine is not None:
+        return f"concurrent requests share decode steps (up to {engine.config.max_num_seqs} sequences per step)"
+    return f"one request at a time ({getattr(local, 'name', '?')})"
+
+
 def run_serve(args, make_backend) -> int:
     import asyncio
     import socket
@@ -82,7 +89,7 @@ def run_serve(args, make_backend) -> int:
     server = uvicorn.Server(config)
     print(f"edge-runtime gateway listening on http://{host}:{port} (model {gw.model_id}, "
           f"{'offline' if gw.runtime.offline else ('cloud ' + args.cloud) if args.cloud else 'device only'}; "
-          f"requests that set no sampling get {gw.sampling.describe()})", flush=True)
+          f"{_concurrency(gw.runtime.local)}; requests that set no sampling get {gw.sampling.describe()})", flush=True)
 
     async def main():
         try:

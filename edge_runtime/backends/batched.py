@@ -11,11 +11,10 @@ take turns (one lock around each step's compute) rather than oversubscribing the
 Each row of a batched step gets the one-token step's bits (`--arith int8`:
 tests/edge_runtime/test_fused_decode.py) and prompts go through the same chunked prefill, so a greedy
 answer equals the same request answered alone by the single-stream path (tested through `serve`).
-The engine does not draft yet, so a lone request here decodes without drafts (measured through
-serve: 96 tok/s against the single-stream path's 102 without drafting; n-gram drafting there gives
-up to 1.3x more on input-grounded prompts); drafting inside the batch is the next step (a lone
-request sent to the single-stream path instead would draft, but its steps could not join a batch
-when others arrive).
+With n-gram drafting configured (`--draft auto` resolves to it) the engine drafts for a sequence
+while it runs alone (engine_draft.py), so a lone request keeps the single-stream path's speed-up;
+with company every sequence decodes one token per step. MTP drafts are the single-stream path's
+only (the engine does not run the heads).
 """
 from __future__ import annotations
 
@@ -54,7 +53,7 @@ class BatchedNative(Backend):
         inner.runner.compute_lock = lock = threading.Lock()  # the two paths take turns by step
         self.engine = BatchEngine(engine_model, inner.tokenizer, inner.template, inner.n_ctx,
                                   kv_config=inner.kv_config, config=config, model_name="native", source="local",
-                                  step_lock=lock).start()
+                                  step_lock=lock, draft="ngram" if inner.draft == "ngram" else "none").start()
         self.max_batch = max_batch
         self._ids = itertools.count()
 
@@ -69,6 +68,7 @@ class BatchedNative(Backend):
 
     def set_draft(self, name: str, k: int | None = None, allow_inexact: bool = False) -> None:
         self.inner.set_draft(name, k, allow_inexact)
+        self.engine.draft = "ngram" if self.inner.draft == "ngram" else "none"  # the engine drafts n-gram only
 
     def logits(self, token_ids: list[int]) -> torch.Tensor:
         return self.inner.logits(token_ids)

@@ -22,7 +22,7 @@ class ServeProcess:
         if not m:
             self.stop()
             raise RuntimeError(f"serve did not start: {line} {''.join(self.err)[-2000:]}")
-        self.url = m.group(1)
+        self.url, self.banner = m.group(1), line
 
     def stop(self, timeout: float = 15) -> None:
         stop_group(self.proc, timeout)

@@ -320,3 +320,35 @@ def test_preemption_under_a_tiny_kv_budget_gives_identical_outputs(solo):
     for i in range(len(PROMPTS)):
         assert frames[f"p{i}"][-1]["type"] == "done"
         assert joined(frames[f"p{i}"]) == solo[i][:2], f"prompt {i} changed under preemption"
+
+
+def test_a_worker_with_ngram_drafts_answers_as_without(worker, solo):
+    """--draft ngram: a stream that runs alone verifies prompt-lookup drafts (counted on /metrics), and every
+    answer, alone or with company, is token for token the plain worker's (the module's `solo` runs)."""
+    passage = "The library opens at nine and closes at six. Members may borrow five books for three weeks."
+    w = WorkerProcess("--max-prompt-tokens", "300", "--max-tokens", "400", "--draft", "ngram")
+    try:
+        async def go():
+            ws, _ = await open_raw(w)
+            await ws.send(gen("g", f"Repeat this text exactly:\n\n{passage}", max_tokens=40))
+            grounded = (await collect(ws, {"g"}))["g"]
+            for i, p in enumerate(PROMPTS[:3]):  # three at once: no drafting with company
+                await ws.send(gen(f"c{i}", p))
+            together = await collect(ws, {f"c{i}" for i in range(3)})
+            await ws.close()
+            return grounded, together
+        grounded, together = run(go())
+        m = w.metrics()
+    finally:
+        w.stop()
+    assert m["edge_worker_draft_verifications_total"] > 0 and m["edge_worker_draft_accepted_total"] > 0
+    async def again():  # the module's worker drafts nothing
+        ws, _ = await open_raw(worker)
+        await ws.send(gen("g-plain", f"Repeat this text exactly:\n\n{passage}", max_tokens=40))
+        frames = (await collect(ws, {"g-plain"}))["g-plain"]
+        await ws.close()
+        return frames
+    reference = run(again())
+    assert joined(grounded) == joined(reference) and joined(grounded)[1]
+    for i in range(3):
+        assert joined(together[f"c{i}"])[:2] == solo[i][:2]

@@ -49,6 +49,17 @@ def test_devices_overrides(capsys):
     assert data["chosen"]["profile"] == "laptop_cpu" and data["chosen"]["backend"] == "llama.cpp"
     assert data["reasons"][0] == "device 'cpu' requested: profile laptop_cpu"
     assert "backend llama.cpp requested instead of the profile's native" in data["reasons"]
+    assert data["chosen"]["serve_concurrency"] == "one request at a time (llama.cpp)"
+
+
+def test_devices_says_how_serve_handles_concurrent_requests(capsys):
+    from kernels import cpu_gemv
+
+    code, out, err = run(capsys)
+    assert code == 0, err
+    line = next(line for line in out.splitlines() if line.startswith("  serve: "))
+    if cpu_gemv.available():  # the native backend with its C kernels batches
+        assert line == "  serve: concurrent requests share decode steps"
 
 
 def test_devices_unknown_device_exits_2_naming_it(capsys):

@@ -89,8 +89,7 @@ def test_serve_samples_with_the_models_recommendation_where_a_request_sets_none(
 
 def test_the_default_poem_does_not_loop(native_backend):
     """Asked for a poem, the 135M model repeats a line under llama.cpp's settings alone in most seeded answers;
-    with the defaults (its repeat penalty added) the answers do not. Drafting off: its adaptive draft length
-    follows measured time, which would make a seeded sample depend on the machine's speed."""
+    with the defaults (its repeat penalty added) the answers do not. Plain decoding (no drafts) is the reference."""
     saved = native_backend.drafter, native_backend.draft
     native_backend.set_draft("none")
     try:

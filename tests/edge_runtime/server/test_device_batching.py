@@ -53,7 +53,9 @@ def test_concurrent_greedy_answers_share_steps_and_equal_each_one_alone(gw, clie
         assert r.model_extra["x_hybrid"]["segments"][0]["source"] == "local"
     engine = health(gw)["local_engine"]
     assert engine["max_sequences"] >= 2, engine  # steps really carried several requests
+    assert "concurrent requests share decode steps (up to 8 sequences per step)" in gw.banner
     assert engine["num_running"] == 0 and engine["num_jobs"] == 0
+    assert engine["draft"]["method"] == "ngram"  # serve's --draft auto: a sequence alone drafts
 
 
 def test_a_short_request_does_not_wait_for_a_long_answer(client):
@@ -97,7 +99,7 @@ def test_a_client_that_leaves_frees_its_kv_blocks(gw, client):
 def test_max_batch_one_keeps_one_request_at_a_time():
     g = Gateway("--max-batch", "1")
     try:
-        assert health(g)["local_engine"] is None
+        assert health(g)["local_engine"] is None and "one request at a time (native)" in g.banner
         c = openai.OpenAI(base_url=g.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
         assert ask(c, "What is the capital of France?", max_tokens=4).choices[0].message.content
     finally:
