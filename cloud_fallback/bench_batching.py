@@ -60,30 +60,36 @@ def summarize(t0: float, t_end: float, records: list[dict]) -> dict:
             "requests": len(records)}
 
 
-async def _worker_one(client, prompt: str, max_tokens: int) -> dict:
-    rec = {"times": [], "tokens": 0}
-    s = client.stream(prompt=prompt, params={"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+async def _worker_one(client, prompt: str, max_tokens: int, chat: bool = False) -> dict:
+    rec = {"times": [], "tokens": 0, "ids": []}
+    text = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
+    s = client.stream(**text, params={"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
     async for frame in s:
         if frame.type == "delta":
             if frame.token_ids:
                 rec["times"].append(time.perf_counter())
+                rec["ids"] += frame.token_ids
         else:
             rec["tokens"] = frame.usage["completion_tokens"]
     return rec
 
 
-async def run_schedule(url: str, token: str, work: list[tuple[str, int]], schedule: str, max_batch: int) -> dict:
+async def run_schedule(url: str, token: str, work: list[tuple[str, int]], schedule: str, max_batch: int,
+                       chat: bool = False, ids: list | None = None) -> dict:
+    """`chat`: prompts through the chat template; `ids`: filled with each request's token ids, in order."""
     from .client import WorkerClient
 
     async with WorkerClient(url, token) as client:
         t0 = time.perf_counter()
         if schedule == "continuous":
-            records = await asyncio.gather(*(_worker_one(client, p, m) for p, m in work))
+            records = await asyncio.gather(*(_worker_one(client, p, m, chat) for p, m in work))
         else:
             group = max_batch if schedule == "static" else 1
             records = []
             for i in range(0, len(work), group):
-                records += await asyncio.gather(*(_worker_one(client, p, m) for p, m in work[i:i + group]))
+                records += await asyncio.gather(*(_worker_one(client, p, m, chat) for p, m in work[i:i + group]))
+        if ids is not None:
+            ids.extend(r["ids"] for r in records)
         return summarize(t0, time.perf_counter(), list(records))
 
 
@@ -138,6 +144,42 @@ def _measure_worker(args, work, max_batch: int, schedules: list[str]) -> dict:
         w.stop()
 
 
+def run_draft_comparison(args, work) -> dict:
+    """The worker with --draft ngram against without, each in its own process with the same flags: the
+    workload at max batch --max-batch (continuous), and 12 input-grounded prompts (bench spec's) one at a
+    time, 128 tokens each. Token ids are compared request by request (`identical_*`), throughput as ratios."""
+    from edge_runtime.bench_spec import grounded_prompts
+
+    grounded = [(p, 128) for p in grounded_prompts(12)]
+    out, ids = {}, {}
+    for draft in ("none", args.draft):
+        w = WorkerProcess("--max-batch", str(args.max_batch), "--max-batched-tokens", str(max(512, 256 + args.max_batch)),
+                          "--draft", draft, "--quant", args.quant, "--model", args.model, "--ctx", "2048",
+                          "--max-streams-per-connection", "1024", "--max-streams", "1024", "--kv-budget", "2GiB",
+                          "--max-prompt-tokens", "1900", threads=args.threads)
+        try:
+            asyncio.run(run_schedule(w.url, w.token, work[:args.max_batch], "continuous", args.max_batch))  # warm-up
+            ids[draft] = ([], [])
+            b = asyncio.run(run_schedule(w.url, w.token, work, "continuous", args.max_batch, ids=ids[draft][0]))
+            g = asyncio.run(run_schedule(w.url, w.token, grounded, "sequential", 1, chat=True, ids=ids[draft][1]))
+            m = w.metrics()
+        finally:
+            w.stop()
+        out[draft] = {"batching": b, "grounded_one_at_a_time": g,
+                      "draft_accepted": m.get("edge_worker_draft_accepted_total", 0.0),
+                      "draft_proposed": m.get("edge_worker_draft_tokens_total", 0.0)}
+        print(f"  --draft {draft}: workload {b['tokens_per_s']:.1f} tok/s, grounded one at a time "
+              f"{g['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
+    d, plain = out[args.draft], out["none"]
+    return {"draft": args.draft, "by_draft": out,
+            "identical_batching": ids["none"][0] == ids[args.draft][0],
+            "identical_grounded": ids["none"][1] == ids[args.draft][1],
+            "draft_over_plain_batching": round(d["batching"]["tokens_per_s"] / plain["batching"]["tokens_per_s"], 3),
+            "draft_over_plain_grounded": round(d["grounded_one_at_a_time"]["tokens_per_s"]
+                                               / plain["grounded_one_at_a_time"]["tokens_per_s"], 3),
+            "draft_targets": {"draft_over_plain_grounded": 1.5, "draft_over_plain_batching": 0.95}}
+
+
 def targets() -> dict:
     """The targets by what this CPU has: a VNNI step (vpdpbusd) grows less with its rows than an AVX2 one."""
     from kernels import cpu_qgemm
@@ -156,6 +198,14 @@ def run_batching_bench(args) -> int:
         raise EdgeRuntimeError(f"--schedules takes continuous (required), static and sequential; got {args.schedules!r}")
     print(f"bench batching: {len(work)} requests (half 20, half 200 new tokens), worker quant {args.quant}",
           file=sys.stderr, flush=True)
+    if getattr(args, "draft", None):
+        result = {"workload": {"requests": len(work), "short_tokens": 20, "long_tokens": 200,
+                               "arrival": "all at once", "greedy": True, "ignore_eos": True,
+                               "grounded": "bench spec's 12 input-grounded prompts, one at a time, 128 tokens"},
+                  "worker": {"max_batch": args.max_batch, "quant": args.quant, "threads": args.threads,
+                             "model": args.model}, **run_draft_comparison(args, work)}
+        print_and_save(result, args.json_file)
+        return 0
     ours = _measure_worker(args, work, args.max_batch, schedules)
     c = ours["continuous"]["tokens_per_s"]
     result = {"workload": {"requests": len(work), "short_tokens": 20, "long_tokens": 200, "arrival": "all at once",

@@ -372,6 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
     bb.add_argument("--peer-default", default=None, help="batching: the same server at its default batch; "
                     "compared with our worker at --default-batch")
     bb.add_argument("--default-batch", type=int, default=256, help="batching: our max batch against --peer-default")
+    bb.add_argument("--draft", default=None, choices=["ngram"], help="batching: instead, the worker with this "
+                    "--draft against without, on the workload and on 12 input-grounded prompts one at a time")
     bh = b.add_argument_group("hybrid")
     bh.add_argument("--prompts", type=int, default=12, help="hybrid: prompts of the labelled set for TTFT and hand-offs")
     bh.add_argument("--failovers", type=int, default=5, help="hybrid: worker kills for the failover gap")
