@@ -138,10 +138,6 @@ class BatchEngine:
                   StopMatcher(request.params.stop))
         self._command("submit", job)
 
-    def busy(self) -> bool:
-        """Whether any request is queued or generating (read from any thread: a snapshot)."""
-        return bool(self.jobs or self._commands)
-
     def cancel(self, id: str) -> None:
         self._command("cancel", id)
 
