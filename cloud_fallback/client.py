@@ -19,7 +19,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
 from edge_runtime.errors import EdgeRuntimeError
 
-from .protocol import (AUTH_CLOSE_CODE, Cancel, Delta, Done, Error, Generate, Hello, ProtocolError, Resume, Welcome,
+from cloud_fallback.protocol import (AUTH_CLOSE_CODE, Cancel, Delta, Done, Error, Generate, Hello, ProtocolError, Resume, Welcome,
                        encode, parse_frame)
 
 

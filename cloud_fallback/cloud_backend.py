@@ -23,8 +23,8 @@ from typing import AsyncIterator
 
 from edge_runtime.request import GenerationRequest, StreamEvent, Usage
 
-from .client import WorkerClient, WorkerConnectionError, WorkerStreamError
-from .health import CircuitBreaker
+from cloud_fallback.client import WorkerClient, WorkerConnectionError, WorkerStreamError
+from cloud_fallback.health import CircuitBreaker
 
 HEALTH_FAILURES = {"unreachable", "stalled", "busy", "internal"}
 

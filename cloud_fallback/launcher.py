@@ -25,7 +25,7 @@ class WorkerProcess:
         fd, self.token_file = tempfile.mkstemp(prefix="worker-token-")
         with os.fdopen(fd, "w") as f:
             f.write(self.token + "\n")
-        cmd = [sys.executable, "-m", "edge_runtime", "worker", "--port", "0", "--token-file", self.token_file]
+        cmd = [sys.executable, "-m", "cloud_fallback", "--port", "0", "--token-file", self.token_file]
         if threads:
             cmd += ["--threads", str(threads)]
         self.proc = subprocess.Popen([*cmd, *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -4,7 +4,7 @@ Both sources take a validated request and call the worker's `emit(stream_id,
 StreamEvent)` on the event loop thread with `delta`, then `finish` or `error`.
 The worker never knows which one it has.
 
-- `EngineSource` wraps `edge_runtime.batch_engine.BatchEngine` (its own
+- `EngineSource` wraps `edge_runtime.engine.batch_engine.BatchEngine` (its own
   thread); events hop to the loop with `call_soon_threadsafe`. Parking a
   stream (its client went away) frees its KV blocks at once; unparking
   recomputes its tokens so far and goes on.
@@ -22,7 +22,7 @@ from typing import Callable
 from edge_runtime.errors import EdgeRuntimeError
 from edge_runtime.request import GenerationRequest, StreamEvent, Usage
 
-from .protocol import Generate
+from cloud_fallback.protocol import Generate
 
 Emit = Callable[[str, StreamEvent], None]
 
@@ -98,7 +98,7 @@ class UpstreamSource:
         self.tasks[id] = asyncio.get_running_loop().create_task(self._run(id, gen))
 
     async def _run(self, id: str, gen: Generate) -> None:
-        from .upstream import UpstreamDone
+        from cloud_fallback.upstream import UpstreamDone
 
         seq = 0
         try:

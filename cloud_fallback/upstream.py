@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from edge_runtime.chat_template import ChatTemplate
+from edge_runtime.model.chat_template import ChatTemplate
 from edge_runtime.errors import EdgeRuntimeError
 from edge_runtime.request import SamplingParams
 
-from .protocol import BUSY, CONTEXT_LENGTH, INVALID_REQUEST, Generate
+from cloud_fallback.protocol import BUSY, CONTEXT_LENGTH, INVALID_REQUEST, Generate
 
 UPSTREAM_ERROR = "upstream_error"  # the engine is unreachable, failed (5xx) or broke off a stream
 DEFAULT_RETRY_AFTER = 1.0

@@ -34,8 +34,8 @@ from websockets.exceptions import ConnectionClosed
 from edge_runtime.errors import ContextLengthError, EdgeRuntimeError, InvalidRequestError
 from edge_runtime.request import StreamEvent
 
-from .metrics import render_metrics
-from .protocol import (AUTH_CLOSE_CODE, BAD_FRAME, BUSY, CONTEXT_LENGTH, INVALID_REQUEST, UNKNOWN_STREAM,
+from cloud_fallback.metrics import render_metrics
+from cloud_fallback.protocol import (AUTH_CLOSE_CODE, BAD_FRAME, BUSY, CONTEXT_LENGTH, INVALID_REQUEST, UNKNOWN_STREAM,
                        UNSUPPORTED_PROTOCOL, Cancel, Delta, Done, Error, Generate, Hello, ProtocolError, Resume,
                        Welcome, encode, parse_frame)
 

@@ -1,4 +1,5 @@
-"""`edge-runtime worker`: arguments -> token, limits, TLS, a source (engine or upstream) -> serve."""
+"""The worker's command line (`python -m cloud_fallback`, also `edge-runtime worker`): arguments -> token,
+limits, TLS, a source (engine or upstream) -> serve."""
 from __future__ import annotations
 
 import argparse
@@ -11,10 +12,29 @@ import sys
 
 from edge_runtime.errors import EdgeRuntimeError
 
-from .worker import Worker, WorkerLimits, serve_worker
+from cloud_fallback.worker import Worker, WorkerLimits, serve_worker
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default", help="'default' (embedded SmolLM2-135M-Instruct Q4_1) or a GGUF path")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--ctx", type=int, default=4096, help="context window in tokens")
+    p.add_argument("--quant", default="auto", choices=["auto", "gguf", "int4", "int8", "bf16", "fp32"],
+                   help="weights: gguf = the file's blocks with our CPU kernels, int4 = torch's packed int4, "
+                        "fp32 = dequantized reference; auto = gguf where the kernels run, else int4")
+    p.add_argument("--arith", default="auto", choices=["auto", "int8", "exact"],
+                   help="GGUF weights: int8 = 8-bit activations and integer dot products, exact = fp32 "
+                        "activations (the reference); auto = int8")
+    p.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)  # refused with a reason, see below
+    p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, mps)")
+    p.add_argument("--kv-dtype", default="fp16", choices=["fp16", "bf16", "int8", "fp32"],
+                   help="what the paged KV cache stores (int8: per-token-head scales, ~0.53x fp16)")
+    p.add_argument("--kv-budget", default=None, help="KV cache memory, a size (512MiB, 2GB) or a share of "
+                   "available memory (25%%); default: 4 context windows, at most 25%% of available memory")
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
+    _add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     p.add_argument("--port", type=int, default=8765, help="port (0: any free port, printed at start)")
     p.add_argument("--token-file", default=None, help="file holding the token clients must send in hello "
@@ -95,6 +115,23 @@ def _refuse_what_does_not_apply(args) -> None:
                                f"{args.chunk_size + args.max_batch}); raise it or lower --chunk-size")
 
 
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cloud_fallback", description="the cloud worker: WebSocket server "
+                                "with continuous batching over the engine core, or over an upstream server")
+    add_worker_args(p)
+    args = p.parse_args(argv)
+    # Sleeping rather than spinning between parallel regions: the worker's event-loop thread needs a core
+    # too, and spinning OpenMP threads starve it (libgomp reads this when it loads, i.e. with torch).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    try:
+        return run_worker(args)
+    except EdgeRuntimeError as e:
+        print(f"edge-runtime: error: {e.message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
 def run_worker(args) -> int:
     _refuse_what_does_not_apply(args)
     token = _read_secret(args.token_file, "token") if args.token_file else None
@@ -108,9 +145,9 @@ def run_worker(args) -> int:
         from kernels import cpu_gemv
 
         cpu_gemv.set_arith("int8" if arith == "auto" else arith)
-        from edge_runtime.batch_engine import load_engine
-        from edge_runtime.kv_cache_config import KVCacheConfig
-        from edge_runtime.scheduler import SchedulerConfig
+        from edge_runtime.engine.batch_engine import load_engine
+        from edge_runtime.engine.kv_cache_config import KVCacheConfig
+        from edge_runtime.engine.scheduler import SchedulerConfig
 
         config = SchedulerConfig(args.max_batch, args.max_batched_tokens, args.chunk_size)
         try:
@@ -126,17 +163,17 @@ def run_worker(args) -> int:
 
 
 async def _serve(args, token: str, limits: WorkerLimits, tls, engine) -> int:
-    from .sources import EngineSource, UpstreamSource
+    from cloud_fallback.sources import EngineSource, UpstreamSource
 
     loop = asyncio.get_running_loop()
     worker = Worker(token, limits)
     if engine is not None:
         source = EngineSource(engine.start(), loop, worker.emit)
     else:
-        from edge_runtime.chat_template import ChatTemplate
-        from edge_runtime.model_path import resolve_model_path
+        from edge_runtime.model.chat_template import ChatTemplate
+        from edge_runtime.model.path import resolve_model_path
 
-        from .upstream import Upstream
+        from cloud_fallback.upstream import Upstream
 
         key = _read_secret(args.upstream_key_file, "upstream key") if args.upstream_key_file else None
         template = ChatTemplate.from_gguf(resolve_model_path(args.model)) if args.model else None

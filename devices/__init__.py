@@ -7,9 +7,9 @@ threads, providers), with one reason per decision. This package knows nothing
 of models or of `edge_runtime`: it imports torch, psutil and onnxruntime only
 inside guarded probes.
 """
-from .choice import Choice, choose
-from .detection import detect
-from .errors import DeviceError
-from .profile import ProfileError, load_profiles
+from devices.choice import Choice, choose
+from devices.detection import detect
+from devices.errors import DeviceError
+from devices.profile import ProfileError, load_profiles
 
 __all__ = ["Choice", "DeviceError", "ProfileError", "choose", "detect", "load_profiles"]

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from .errors import DeviceError
-from .profile import BACKENDS, CPU_PROVIDER, load_profiles, mismatch
+from devices.errors import DeviceError
+from devices.profile import BACKENDS, CPU_PROVIDER, load_profiles, mismatch
 
 MiB, GiB = 2 ** 20, 2 ** 30
 # NOTE: below this much memory where the KV cache lives, int8 KV (~0.53x fp16 with its scales) and a
@@ -27,7 +27,7 @@ MIN_KV_BYTES = 1 * MiB
 TORCH_DEVICES = ("cpu", "cuda", "mps")
 GGUF_KERNEL_ISA = ("avx2", "fma", "f16c")  # what kernels/cpu_gemv.py needs for quant "gguf"
 X86_64 = ("x86_64", "AMD64", "amd64")
-ORT_QUANTS = ("int4", "int8")  # MatMulNBits widths of the ONNX export (edge_runtime/onnx_export.py)
+ORT_QUANTS = ("int4", "int8")  # MatMulNBits widths of the ONNX export (edge_runtime/onnx/export.py)
 
 
 @dataclass(slots=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 
-from .errors import DeviceError
+from devices.errors import DeviceError
 
 PROFILES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 BACKENDS = ("native", "llama.cpp", "onnxruntime")

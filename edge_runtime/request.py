@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .errors import InvalidRequestError
+from edge_runtime.errors import InvalidRequestError
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 EventType = Literal["start", "delta", "handoff", "finish", "error"]

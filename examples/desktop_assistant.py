@@ -9,8 +9,8 @@ import sys
 from cloud_fallback.cloud_backend import CloudBackend
 from cloud_fallback.launcher import WorkerProcess
 from edge_runtime.backends import create_backend
-from edge_runtime.chat import ChatSession
-from edge_runtime.hybrid import HybridRuntime
+from edge_cli.chat import ChatSession
+from edge_runtime.hybrid.runtime import HybridRuntime
 from edge_runtime.request import SamplingParams
 
 

@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def main() -> int:
     worker = WorkerProcess(threads=2)
-    gateway = subprocess.Popen([sys.executable, "-m", "edge_runtime", "serve", "--port", "0", "--threads", "2",
+    gateway = subprocess.Popen([sys.executable, "-m", "edge_cli", "serve", "--port", "0", "--threads", "2",
                                 "--cloud", worker.url, "--cloud-token-file", worker.token_file, "--api-key", "sk-local"],
                                cwd=ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:

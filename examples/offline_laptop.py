@@ -7,7 +7,7 @@ import asyncio
 import sys
 
 from edge_runtime.backends import create_backend
-from edge_runtime.hybrid import HybridRuntime
+from edge_runtime.hybrid.runtime import HybridRuntime
 from edge_runtime.request import GenerationRequest, SamplingParams
 
 

@@ -45,7 +45,7 @@ def main() -> int:
     if len(sys.argv) > 1:
         asyncio.run(stream(sys.argv[1]))
         return 0
-    gateway = subprocess.Popen([sys.executable, "-m", "edge_runtime", "serve", "--port", "0", "--threads", "2"],
+    gateway = subprocess.Popen([sys.executable, "-m", "edge_cli", "serve", "--port", "0", "--threads", "2"],
                                cwd=ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         url = re.search(r"http://(\S+)", gateway.stdout.readline()).group(1)

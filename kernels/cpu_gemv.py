@@ -98,7 +98,7 @@ def _run(cmd: list[str]) -> None:
 
 def build(flags: list[str] | None = None) -> str:
     """Compiles the kernels unless cached; returns the shared library's path. Raises on failure."""
-    from edge_runtime.compile_cache import cache_root
+    from kernels.compile_cache import cache_root
 
     flags = list(FLAGS if flags is None else flags)
     source = b""
@@ -174,7 +174,7 @@ def _load() -> tuple[_Library | None, str]:
 
 
 def library():
-    """The loaded build (or None): its `decode_layers` and `add_rmsnorm` serve `edge_runtime.fused_decode`."""
+    """The loaded build (or None): its `decode_layers` and `add_rmsnorm` serve `edge_runtime.model.fused_decode`."""
     return _load()[0]
 
 
@@ -296,7 +296,7 @@ _OPS = torch.library.Library("edge_runtime", "FRAGMENT")
 _OPS.define("gguf_gemv(Tensor weight, Tensor x, str kind, int out_features) -> Tensor")
 def _gemv_op(weight, x, kind, out_features):
     if _arith == "int8":
-        from . import cpu_qgemm
+        from kernels import cpu_qgemm
 
         return cpu_qgemm.qgemm(kind, weight, x, out_features)
     return gemv(kind, weight, x, out_features)

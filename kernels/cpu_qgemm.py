@@ -24,7 +24,7 @@ import os
 import numpy as np
 import torch
 
-from . import cpu_gemv
+from kernels import cpu_gemv
 
 VARIANTS = ("portable", "avx2", "avxvnni", "avx512vnni", "neon")  # ids 0..4 in cpu_qgemm_dispatch.c
 KIND_CODE = {"q4_0": 0, "q4_1": 1, "q4_k": 4, "q8_0": 8}

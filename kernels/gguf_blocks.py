@@ -20,7 +20,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as _gguf_dequantize
 
-from edge_runtime.errors import UnsupportedModelError
+from kernels.errors import UnsupportedTensorError
 
 T = GGMLQuantizationType
 GROUP_SIZE = 32  # weights per scale/zero group of the int4 kernels and of Q8_0
@@ -29,13 +29,13 @@ INT4_EXACT_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q4_K})  # 4-bit codes + one affi
 
 
 def check_supported(qtype: GGMLQuantizationType, name: str = "") -> GGMLQuantizationType:
-    """Returns `qtype` as a GGMLQuantizationType or raises UnsupportedModelError."""
+    """Returns `qtype` as a GGMLQuantizationType or raises UnsupportedTensorError."""
     try:
         qtype = GGMLQuantizationType(qtype)
     except ValueError:
-        raise UnsupportedModelError(f"unsupported tensor type {qtype!r} in tensor {name or '?'}") from None
+        raise UnsupportedTensorError(f"unsupported tensor type {qtype!r} in tensor {name or '?'}") from None
     if qtype not in SUPPORTED_TYPES:
-        raise UnsupportedModelError(f"unsupported tensor type {qtype.name} in tensor {name or '?'}")
+        raise UnsupportedTensorError(f"unsupported tensor type {qtype.name} in tensor {name or '?'}")
     return qtype
 
 
@@ -54,7 +54,7 @@ def as_rows(qtype: GGMLQuantizationType, data: np.ndarray, shape: tuple[int, int
     out_features, in_features = (int(s) for s in shape)
     block_size, _ = GGML_QUANT_SIZES[qtype]
     if in_features % block_size:
-        raise UnsupportedModelError(
+        raise UnsupportedTensorError(
             f"tensor {name or '?'}: row length {in_features} is not a multiple of the {qtype.name} block size {block_size}"
         )
     data = np.ascontiguousarray(data)
@@ -67,7 +67,7 @@ def as_rows(qtype: GGMLQuantizationType, data: np.ndarray, shape: tuple[int, int
         if rows is not None and qtype in (T.F32, T.F16):
             rows = rows.view(np.float32 if qtype == T.F32 else np.float16)
     if rows is None:
-        raise UnsupportedModelError(
+        raise UnsupportedTensorError(
             f"tensor {name or '?'}: {data.dtype}{list(data.shape)} does not hold a {qtype.name} tensor of shape {list(shape)}"
         )
     return rows

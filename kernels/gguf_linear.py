@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from . import cpu_gemv, cpu_qgemm
+from kernels import cpu_gemv, cpu_qgemm
 
 KIND_OF = {GGMLQuantizationType.Q4_0: "q4_0", GGMLQuantizationType.Q4_1: "q4_1",
            GGMLQuantizationType.Q8_0: "q8_0", GGMLQuantizationType.Q4_K: "q4_k"}

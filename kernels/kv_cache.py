@@ -14,7 +14,7 @@ rotate the query in and the output back out (`rotated` is False for other dtypes
 head size that is not a power of two). `hadamard_rotate` is a butterfly (fast Walsh-Hadamard
 transform) whose additions run in the same order as cpu_decode.c's, so both round alike. A token's physical slot is
 `block * block_size + offset`; which blocks a sequence owns is the block manager's
-business (edge_runtime/block_manager.py), not this module's.
+business (edge_runtime/engine/block_manager.py), not this module's.
 
 NOTE: pools are allocated with torch.empty, so memory is only touched (and counted in
 RSS) as blocks are written, and unwritten slots hold garbage, possibly NaN. Readers must

@@ -19,8 +19,8 @@ import math
 
 import torch
 
-from .attention import LOG2E, TILE_K, TILE_Q, _resolve, _sdpa, _tiled, _workspace, backend_calls, choose_backend
-from .kv_cache import PagedKVCache, hadamard_rotate
+from kernels.attention import LOG2E, TILE_K, TILE_Q, _resolve, _sdpa, _tiled, _workspace, backend_calls, choose_backend
+from kernels.kv_cache import PagedKVCache, hadamard_rotate
 
 DECODE_TILE_TOKENS = 2048  # keys per paged-decode tile (rounded to whole blocks)
 SPAN_K = 2048  # keys a paged prefill gathers (and dequantizes) at once, rounded to whole blocks

@@ -46,11 +46,11 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from .int4_layout import CPU_LAYOUTS, Int4CpuLayout  # noqa: F401 (re-exported)
-from .int4_layout import cpu_layout as _cpu_layout
-from .int4_layout import pack as _pack_int4_cpu_direct
-from .int4_layout import unpack as _unpack_int4_cpu
-from .gguf_blocks import GROUP_SIZE, INT4_EXACT_TYPES, as_rows, check_supported, dequantize, int4_groups, q8_0_blocks
+from kernels.int4_layout import CPU_LAYOUTS, Int4CpuLayout  # noqa: F401 (re-exported)
+from kernels.int4_layout import cpu_layout as _cpu_layout
+from kernels.int4_layout import pack as _pack_int4_cpu_direct
+from kernels.int4_layout import unpack as _unpack_int4_cpu
+from kernels.gguf_blocks import GROUP_SIZE, INT4_EXACT_TYPES, as_rows, check_supported, dequantize, int4_groups, q8_0_blocks
 
 T = GGMLQuantizationType
 MODES = ("int4", "int8", "int8_block", "bf16", "fp32")
@@ -253,7 +253,7 @@ def pack_weight(qtype: GGMLQuantizationType, data: np.ndarray, shape: tuple[int,
     Returns:
         QuantLinear on CPU.
     Raises:
-        UnsupportedModelError: unsupported type, or data that does not match `shape`.
+        UnsupportedTensorError: unsupported type, or data that does not match `shape`.
     """
     qtype = check_supported(qtype, name)
     if mode not in MODES:

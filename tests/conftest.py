@@ -21,7 +21,7 @@ def exact_arith():
 
 @pytest.fixture(scope="session")
 def model_path():
-    from edge_runtime.model_path import default_model_path
+    from edge_runtime.model.path import default_model_path
 
     return default_model_path()
 
@@ -43,7 +43,7 @@ def llama_backend(model_path):
 
 @pytest.fixture(scope="session")
 def prose():
-    from edge_runtime.bench import PROSE
+    from edge_cli.bench.decode import PROSE
 
     with open(PROSE, encoding="utf-8") as f:
         return f.read()
@@ -52,7 +52,7 @@ def prose():
 @pytest.fixture(scope="session")
 def onnx_export_dir(model_path, tmp_path_factory):
     """The default model exported once to ONNX (edge-runtime export-onnx, default settings)."""
-    from edge_runtime.onnx_export import export_onnx
+    from edge_runtime.onnx.export import export_onnx
 
     out = tmp_path_factory.mktemp("onnx")
     export_onnx(model_path, str(out))

@@ -1,8 +1,8 @@
 """Local backends behind one interface: `native` (our torch engine), `llama.cpp` and `onnxruntime`."""
 from __future__ import annotations
 
-from ..errors import BackendUnavailableError
-from .base import Backend
+from edge_runtime.errors import BackendUnavailableError
+from edge_runtime.backends.base import Backend
 
 BACKENDS = ("native", "llama.cpp", "onnxruntime")
 
@@ -10,16 +10,16 @@ BACKENDS = ("native", "llama.cpp", "onnxruntime")
 def create_backend(name: str, model: str = "default", **kwargs) -> Backend:
     """Build a backend by name. kwargs: n_ctx, threads, and backend-specific options."""
     if name == "native":
-        from .native import NativeBackend
+        from edge_runtime.backends.native import NativeBackend
 
         return NativeBackend(model, **kwargs)
     if name in ("llama.cpp", "llama_cpp", "llamacpp"):
-        from .llama_cpp import LlamaCppBackend
+        from edge_runtime.backends.llama_cpp import LlamaCppBackend
 
         kwargs = {k: v for k, v in kwargs.items() if k in ("n_ctx", "threads")}
         return LlamaCppBackend(model, **kwargs)
     if name in ("onnxruntime", "ort", "onnx"):
-        from .ort import OnnxRuntimeBackend
+        from edge_runtime.backends.ort import OnnxRuntimeBackend
 
         kwargs = {k: v for k, v in kwargs.items() if k in ("n_ctx", "threads", "providers", "provider_options",
                                                           "weights")}

@@ -16,10 +16,10 @@ from typing import AsyncIterator, Iterator
 
 import torch
 
-from .. import sampling_defaults
-from ..chat_template import ChatTemplate
-from ..generator import Runner, generate_stream
-from ..request import GenerationRequest, GenerationResult, StreamEvent, Usage
+from edge_runtime.engine import sampling_defaults
+from edge_runtime.model.chat_template import ChatTemplate
+from edge_runtime.engine.generator import Runner, generate_stream
+from edge_runtime.request import GenerationRequest, GenerationResult, StreamEvent, Usage
 
 
 class Backend(ABC):
@@ -37,7 +37,7 @@ class Backend(ABC):
         """Speculative drafting for this backend's requests: "auto", "none", "ngram" (prompt lookup) or
         "mtp" (the model's trained multi-token-prediction heads); `k` fixes the draft length (default:
         adaptive). Output is unchanged; see speculative.py."""
-        from ..speculative import make_drafter, resolve_draft
+        from edge_runtime.spec.speculative import make_drafter, resolve_draft
 
         drafter = make_drafter(name, self, allow_inexact)
         if drafter is not None:

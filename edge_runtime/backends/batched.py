@@ -9,10 +9,10 @@ monitor) takes the wrapped backend's single-stream path (which drafts); its step
 take turns (one lock around each step's compute) rather than oversubscribing the cores.
 
 Each row of a batched step gets the one-token step's bits (`--arith int8`:
-tests/edge_runtime/test_fused_decode.py) and prompts go through the same chunked prefill, so a greedy
+tests/edge_runtime/model/test_fused_decode.py) and prompts go through the same chunked prefill, so a greedy
 answer equals the same request answered alone by the single-stream path (tested through `serve`).
 With n-gram drafting configured (`--draft auto` resolves to it) the engine drafts for a sequence
-while it runs alone (engine_draft.py), so a lone request keeps the single-stream path's speed-up;
+while it runs alone (drafting.py), so a lone request keeps the single-stream path's speed-up;
 with company every sequence decodes one token per step. MTP drafts are the single-stream path's
 only (the engine does not run the heads).
 """
@@ -27,10 +27,10 @@ from typing import Iterator
 
 import torch
 
-from ..batch_engine import BatchEngine
-from ..request import GenerationRequest, StreamEvent
-from ..scheduler import SchedulerConfig
-from .base import Backend
+from edge_runtime.engine.batch_engine import BatchEngine
+from edge_runtime.request import GenerationRequest, StreamEvent
+from edge_runtime.engine.scheduler import SchedulerConfig
+from edge_runtime.backends.base import Backend
 
 
 def usable(backend) -> bool:

@@ -13,12 +13,12 @@ import os
 import numpy as np
 import torch
 
-from .. import sampling_defaults
-from ..chat_template import ChatTemplate
-from ..errors import BackendUnavailableError, ModelFileError
-from ..tokenizer import vocab_fingerprint
-from ..gguf_file import GGUFFile
-from .base import Backend
+from edge_runtime.engine import sampling_defaults
+from edge_runtime.model.chat_template import ChatTemplate
+from edge_runtime.errors import BackendUnavailableError, ModelFileError
+from edge_runtime.model.tokenizer import vocab_fingerprint
+from edge_runtime.model.gguf_file import GGUFFile
+from edge_runtime.backends.base import Backend
 
 
 class LlamaCppRunner:

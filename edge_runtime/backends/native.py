@@ -16,15 +16,15 @@ import torch
 
 from kernels.kv_cache import PagedKVCache
 
-from .. import sampling_defaults
-from ..block_manager import BlockManager
-from ..chat_template import ChatTemplate
-from ..compile_cache import CompileCache
-from ..errors import BackendUnavailableError, ContextLengthError
-from ..kv_cache_config import KVCacheConfig, format_bytes
-from ..model_loader import load_model
-from ..tokenizer import Tokenizer
-from .base import Backend
+from edge_runtime.engine import sampling_defaults
+from edge_runtime.engine.block_manager import BlockManager
+from edge_runtime.model.chat_template import ChatTemplate
+from kernels.compile_cache import CompileCache
+from edge_runtime.errors import BackendUnavailableError, ContextLengthError
+from edge_runtime.engine.kv_cache_config import KVCacheConfig, format_bytes
+from edge_runtime.model.loader import load_model
+from edge_runtime.model.tokenizer import Tokenizer
+from edge_runtime.backends.base import Backend
 
 
 class NativeRunner:

@@ -1,4 +1,4 @@
-"""The onnxruntime backend: the ONNX export (`onnx_export.py`) behind the Backend interface.
+"""The onnxruntime backend: the ONNX export (`edge_runtime/onnx/export.py`) behind the Backend interface.
 
 It runs the export with the first execution provider of an ordered list (a
 device profile's, from `devices.choose`, or `providers=`) that loads, and falls
@@ -23,12 +23,12 @@ import os
 import numpy as np
 import torch
 
-from .. import sampling_defaults
-from ..chat_template import ChatTemplate
-from ..errors import BackendUnavailableError, ContextLengthError, ModelFileError
-from ..model_config import ModelConfig
-from ..tokenizer import Tokenizer
-from .base import Backend
+from edge_runtime.engine import sampling_defaults
+from edge_runtime.model.chat_template import ChatTemplate
+from edge_runtime.errors import BackendUnavailableError, ContextLengthError, ModelFileError
+from edge_runtime.model.config import ModelConfig
+from edge_runtime.model.tokenizer import Tokenizer
+from edge_runtime.backends.base import Backend
 
 log = logging.getLogger("edge_runtime.onnxruntime")
 CPU = "CPUExecutionProvider"
@@ -76,7 +76,7 @@ class OrtRunner:
 
     def __init__(self, export_dir: str, n_ctx: int, threads: int | None, providers: list[str],
                  provider_options: dict | None = None, n_batch: int = 512):
-        from ..onnx_export import FORMAT, META_FILE, MODEL_FILE
+        from edge_runtime.onnx.export import FORMAT, META_FILE, MODEL_FILE
 
         meta_path = os.path.join(export_dir, META_FILE)
         try:
@@ -168,9 +168,9 @@ class OrtRunner:
 def resolve_export(model: str, weights: str = "auto", accuracy_level: int = 0) -> str:
     """An export folder for `model`: the folder itself, or (for a GGUF path or 'default') the cached export of
     that file, written on first use."""
-    from ..compile_cache import cache_root
-    from ..model_path import resolve_model_path
-    from ..onnx_export import META_FILE, export_onnx, source_fingerprint
+    from kernels.compile_cache import cache_root
+    from edge_runtime.model.path import resolve_model_path
+    from edge_runtime.onnx.export import META_FILE, export_onnx, source_fingerprint
 
     if os.path.isdir(model):
         return model

@@ -29,8 +29,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from .. import sampling_defaults
-from .schemas import APIError, ChatCompletionRequest, CompletionRequest, ErrorResponse, to_generation_request
+from edge_runtime.engine import sampling_defaults
+from edge_runtime.server.schemas import APIError, ChatCompletionRequest, CompletionRequest, ErrorResponse, to_generation_request
 
 STATIC = os.path.join(os.path.dirname(__file__), "static")
 # What /openapi.json publishes: the errors as they are sent ("4XX" also stops FastAPI documenting a 422 that
@@ -269,7 +269,7 @@ def create_app(gateway: Gateway, resume_grace_s: float = 30.0) -> FastAPI:
                           "total_tokens": usage.prompt_tokens + usage.completion_tokens},
                 "x_hybrid": {**info, "segments": segments}}
 
-    from .ws_stream import mount_ws
+    from edge_runtime.server.ws_stream import mount_ws
 
     mount_ws(app, gw, grace_s=resume_grace_s)
     return app

@@ -15,8 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..errors import EdgeRuntimeError
-from ..request import GenerationRequest, SamplingParams
+from edge_runtime.errors import EdgeRuntimeError
+from edge_runtime.request import GenerationRequest, SamplingParams
 
 
 class APIError(Exception):
@@ -154,7 +154,7 @@ def _text(content) -> str:
 
 def to_generation_request(req: _Common, default_max_tokens: int, defaults=None) -> GenerationRequest:
     """`defaults` (a SamplingDefaults) fills the sampling settings the request leaves out."""
-    from .. import sampling_defaults
+    from edge_runtime.engine import sampling_defaults
 
     _unsupported(req)
     max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens or default_max_tokens

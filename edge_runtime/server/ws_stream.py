@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass, field
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from ..errors import EdgeRuntimeError
-from ..request import GenerationRequest
+from edge_runtime.errors import EdgeRuntimeError
+from edge_runtime.request import GenerationRequest
 
 AUTH_CLOSE = 4401
 MAX_STREAMS_PER_CONNECTION = 8

@@ -106,8 +106,8 @@ def test_heartbeats_and_the_circuit_breaker_follow_a_real_worker(native_backend)
     hybrid router sends a cloud-hinted request to the device, naming the breaker; after the cooldown one
     trial goes through to the restarted worker and closes it."""
     from cloud_fallback.health import CircuitBreaker
-    from edge_runtime.hybrid import HybridRuntime
-    from edge_runtime.router import Router
+    from edge_runtime.hybrid.runtime import HybridRuntime
+    from edge_runtime.hybrid.router import Router
 
     now = [0.0]
     w = WorkerProcess()

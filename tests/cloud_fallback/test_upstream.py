@@ -19,7 +19,7 @@ import httpx  # noqa: E402
 
 from cloud_fallback.protocol import Generate  # noqa: E402
 from cloud_fallback.upstream import UPSTREAM_ERROR, Upstream, UpstreamDone, UpstreamError, UpstreamPiece  # noqa: E402
-from edge_runtime.chat_template import ChatTemplate  # noqa: E402
+from edge_runtime.model.chat_template import ChatTemplate  # noqa: E402
 
 GREEDY = {"temperature": 0, "top_k": 0, "top_p": 1, "min_p": 0, "repeat_penalty": 1}  # ours, as llama.cpp names
 COUNTING = [{"role": "user", "content": "Count from 1 to 10, separated by commas."}]

@@ -72,8 +72,8 @@ def test_q4_k(num_tokens):
 def test_model_tensors():
     """Real weights: the fused QKV rows, ffn_down (K = 1536) and a slice of the Q8_0 output head."""
     from edge_runtime.errors import ModelFileError
-    from edge_runtime.gguf_file import GGUFFile
-    from edge_runtime.model_path import default_model_path
+    from edge_runtime.model.gguf_file import GGUFFile
+    from edge_runtime.model.path import default_model_path
 
     try:
         tensors = GGUFFile(default_model_path()).tensors

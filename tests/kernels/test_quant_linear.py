@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import kernels.quant_linear as quant_linear
-from edge_runtime.errors import UnsupportedModelError
+from kernels.errors import UnsupportedTensorError
 from kernels.gguf_blocks import dequantize_rows, int4_groups, q8_0_blocks
 from kernels.quant_linear import MODES, _cpu_layout, pack_embedding, pack_weight, reference_linear
 from tests.kernels.test_int4_layout import ATEN_LAYOUTS
@@ -245,11 +245,11 @@ def test_fused_and_permuted_rows(mode):
 
 def test_unsupported_and_malformed_raise():
     data = gguf.quants.quantize(np.ones((4, 64), np.float32), T.Q5_0)
-    with pytest.raises(UnsupportedModelError, match="Q5_0.*blk.0.attn_q"):
+    with pytest.raises(UnsupportedTensorError, match="Q5_0.*blk.0.attn_q"):
         pack_weight(T.Q5_0, data, (4, 64), "int4", name="blk.0.attn_q.weight")
-    with pytest.raises(UnsupportedModelError, match="Q5_0"):
+    with pytest.raises(UnsupportedTensorError, match="Q5_0"):
         pack_embedding(T.Q5_0, data, (4, 64))
-    with pytest.raises(UnsupportedModelError):
+    with pytest.raises(UnsupportedTensorError):
         pack_weight(T.Q4_1, make_tensor(T.Q4_1, 4, 64), (4, 96), "int4")
     with pytest.raises(ValueError):
         pack_weight(T.F32, np.ones((4, 64), np.float32), (4, 64), "int3")
@@ -296,7 +296,7 @@ def test_cuda_roundtrip(qtype, mode):
 @pytest.fixture(scope="module")
 def default_reader():
     from edge_runtime.errors import ModelFileError
-    from edge_runtime.model_path import default_model_path
+    from edge_runtime.model.path import default_model_path
 
     try:
         return gguf.GGUFReader(default_model_path())
@@ -339,9 +339,9 @@ def greedy(model, ids, num_tokens=16):
 
 @pytest.fixture(scope="module")
 def fp32_greedy(model_path):
-    from edge_runtime.chat_template import ChatTemplate
-    from edge_runtime.model_loader import load_model
-    from edge_runtime.tokenizer import Tokenizer
+    from edge_runtime.model.chat_template import ChatTemplate
+    from edge_runtime.model.loader import load_model
+    from edge_runtime.model.tokenizer import Tokenizer
 
     model, gf = load_model(model_path, quant="fp32")
     template = ChatTemplate.from_metadata(gf.metadata)
@@ -354,7 +354,7 @@ def fp32_greedy(model_path):
 def test_greedy_generation_matches_fp32_reference(model_path, fp32_greedy, quant, kernel, tol):
     """The torch path end to end: the prompt (72 tokens) through the prefill switch, then one-token
     steps through the int kernel; tokens equal the fp32 reference's up to its first near-tie."""
-    from edge_runtime.model_loader import load_model
+    from edge_runtime.model.loader import load_model
 
     ids, ref_tokens, ref_logits = fp32_greedy
     model, _ = load_model(model_path, quant=quant, cache=False)

@@ -81,7 +81,7 @@ def test_folder_that_is_not_an_export(tmp_path):
 
 
 def test_generate_cli_on_onnxruntime(onnx_export_dir, capsys):
-    from edge_runtime.cli import main
+    from edge_cli.main import main
 
     assert main(["generate", "--backend", "onnxruntime", "--model", onnx_export_dir, "--json", "--max-tokens", "8",
                  "What is 2+2?"]) == 0
@@ -94,7 +94,7 @@ def test_hybrid_runtime_answers_offline_through_onnxruntime(ort_backend):
     """The router and hybrid stream take the onnxruntime backend as their device side (one interface)."""
     import asyncio
 
-    from edge_runtime.hybrid import HybridRuntime
+    from edge_runtime.hybrid.runtime import HybridRuntime
 
     runtime = HybridRuntime(ort_backend, cloud=None, offline=True)
     request = _request("Name a color.", n=12)

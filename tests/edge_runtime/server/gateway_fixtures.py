@@ -1,7 +1,7 @@
 """A real `edge-runtime serve` process on a free loopback port, for the gateway tests."""
 import os
 
-from edge_runtime.server.process import ServeProcess, stop_group
+from edge_cli.serve_process import ServeProcess, stop_group
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 KEY = "sk-test-123"

@@ -1,0 +1,174 @@
+"""`edge-runtime bench spec`: speculative decoding (MTP heads, n-gram prompt lookup) against plain decoding.
+
+Two workloads, greedy, `--spec-tokens` tokens per answer, chat template on:
+- the first turns of the 80 MT-Bench questions (`../shared/data/mt_bench_questions.jsonl`),
+- an input-grounded set: edit, summarize or rewrite a given passage (the module docstrings of
+  Python's standard library, the same text on every machine with the same Python).
+
+Per prompt every configuration runs back to back (so drifts of the machine hit all alike):
+native plain, native MTP at a fixed k = `--draft-k` (acceptance figures), native MTP with the
+adaptive draft length (what `--draft mtp` gives), n-gram on both engines, and llama.cpp plain
+on the same GGUF with the same threads. Decode speed is generated tokens after the first over
+the time after the first token, summed over prompts. Every drafted run's tokens are compared
+with the plain run's of the same engine: `identical` must be true for the native engine
+(`lossless`). llama.cpp's n-gram row is measured but not offered to users: its batched rows
+round differently from its one-token rows, and answers change.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import time
+
+from edge_runtime.request import GenerationRequest, SamplingParams
+
+MT_BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "shared", "data",
+                        "mt_bench_questions.jsonl")
+GROUNDED_MODULES = ["json", "csv", "argparse", "collections", "functools", "itertools", "pathlib", "shutil",
+                    "subprocess", "logging", "datetime", "textwrap", "threading", "heapq", "bisect", "random"]
+GROUNDED_TASKS = [
+    "Fix any grammar or spelling mistakes in the following text and return the corrected text:\n\n{p}",
+    "Summarize the following documentation in a short paragraph:\n\n{p}",
+    "Rewrite the following text so that a beginner can follow it:\n\n{p}",
+    "Copy the following text, replacing every technical term with a simpler word where possible:\n\n{p}",
+]
+
+
+def mt_bench_prompts(n: int) -> list[str]:
+    path = os.path.normpath(MT_BENCH)
+    for cand in (path, os.path.join(os.getcwd(), "..", "shared", "data", "mt_bench_questions.jsonl")):
+        if os.path.exists(cand):
+            with open(cand, encoding="utf-8") as f:
+                return [json.loads(line)["turns"][0] for line in f if line.strip()][:n]
+    raise FileNotFoundError("mt_bench_questions.jsonl not found next to the repository (../shared/data)")
+
+
+def grounded_prompts(n: int) -> list[str]:
+    import importlib
+
+    out = []
+    for i, name in enumerate(GROUNDED_MODULES[:n]):
+        doc = " ".join((inspect.getdoc(importlib.import_module(name)) or name).split())[:700]
+        out.append(GROUNDED_TASKS[i % len(GROUNDED_TASKS)].format(p=doc))
+    return out
+
+
+class Tally:
+    def __init__(self):
+        self.tokens = self.seconds = 0.0
+        self.proposed = self.accepted = self.verify_steps = 0
+        self.pos_proposed, self.pos_accepted = [0] * 8, [0] * 8
+        self.ids: list[list[int]] = []
+
+    def add(self, result) -> None:
+        t = result.timings
+        n = result.usage.completion_tokens
+        if n > 1:
+            self.tokens += n - 1
+            self.seconds += t["total_s"] - t["ttft_ms"] / 1000.0
+        d = t.get("draft")
+        if d:
+            self.proposed += d["proposed"]
+            self.accepted += d["accepted"]
+            self.verify_steps += d["verify_steps"]
+            for i in range(8):
+                self.pos_proposed[i] += d["pos_proposed"][i]
+                self.pos_accepted[i] += d["pos_accepted"][i]
+        self.ids.append(result.token_ids)
+
+    def summary(self, reference: "Tally | None" = None) -> dict:
+        out = {"tok_s": round(self.tokens / self.seconds, 2) if self.seconds else 0.0, "tokens": int(self.tokens)}
+        if self.verify_steps:
+            out["mean_accepted"] = round(self.accepted / self.verify_steps + 1.0, 3)
+            out["acceptance_per_position"] = [round(self.pos_accepted[i] / self.pos_proposed[i], 3)
+                                              for i in range(8) if self.pos_proposed[i]]
+            out["verify_steps"] = self.verify_steps
+        if reference is not None:
+            out["identical"] = self.ids == reference.ids
+            out["identical_answers"] = sum(a == b for a, b in zip(self.ids, reference.ids))
+        return out
+
+
+def _run(backend, draft: str, k: int | None, prompt: str, max_tokens: int, tally: Tally) -> None:
+    backend.runner.reset()  # every run cold: a prefix-cache hit would change the prompt's arithmetic
+    backend.set_draft(draft, k=k, allow_inexact=True)  # llama.cpp's n-gram row: measured, not offered
+    req = GenerationRequest(messages=[{"role": "user", "content": prompt}],
+                            params=SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    tally.add(backend.generate(req))
+
+
+def run_spec_bench(args) -> int:
+    from edge_runtime.backends.llama_cpp import LlamaCppBackend
+    from edge_runtime.backends.native import NativeBackend
+    from edge_runtime.spec.mtp import find_heads
+
+    native = NativeBackend(model=args.model, threads=args.threads)
+    llama = LlamaCppBackend(model=args.model, threads=args.threads or native_threads())
+    has_mtp = find_heads(native) is not None
+    n_tok, k = args.spec_tokens, args.draft_k
+    mt = {name: Tally() for name in ("plain", "mtp_k", "mtp", "ngram", "llama_plain")}
+    gr = {name: Tally() for name in ("plain", "ngram", "mtp", "llama_plain", "llama_ngram")}
+    questions, grounded = mt_bench_prompts(args.questions), grounded_prompts(args.grounded)
+    t0 = time.time()
+    for i, q in enumerate(questions):
+        _run(native, "none", None, q, n_tok, mt["plain"])
+        if has_mtp:
+            _run(native, "mtp", k, q, n_tok, mt["mtp_k"])
+            _run(native, "mtp", None, q, n_tok, mt["mtp"])
+        _run(native, "ngram", None, q, n_tok, mt["ngram"])
+        _run(llama, "none", None, q, n_tok, mt["llama_plain"])
+        print(f"  mt-bench {i + 1}/{len(questions)} ({time.time() - t0:.0f} s)", flush=True)
+    for i, p in enumerate(grounded):
+        _run(native, "none", None, p, n_tok, gr["plain"])
+        _run(native, "ngram", None, p, n_tok, gr["ngram"])
+        if has_mtp:
+            _run(native, "mtp", None, p, n_tok, gr["mtp"])
+        _run(llama, "none", None, p, n_tok, gr["llama_plain"])
+        _run(llama, "ngram", None, p, n_tok, gr["llama_ngram"])
+        print(f"  grounded {i + 1}/{len(grounded)} ({time.time() - t0:.0f} s)", flush=True)
+    plain, lplain = mt["plain"].summary(), mt["llama_plain"].summary()
+    gplain, glplain = gr["plain"].summary(), gr["llama_plain"].summary()
+    res = {
+        "workloads": {"mt_bench_first_turns": len(questions), "grounded": len(grounded), "max_tokens": n_tok,
+                      "greedy": True, "threads": args.threads or native_threads(), "draft_k": k},
+        "mt_bench": {"native_plain": plain, "llama_cpp_plain": lplain,
+                     "native_ngram": mt["ngram"].summary(mt["plain"])},
+        "grounded": {"native_plain": gplain, "llama_cpp_plain": glplain,
+                     "native_ngram": gr["ngram"].summary(gr["plain"]),
+                     "llama_cpp_ngram": gr["llama_ngram"].summary(gr["llama_plain"])},
+    }
+    ng = res["grounded"]["native_ngram"]
+    res["ngram.speedup_over_plain_grounded"] = round(ng["tok_s"] / gplain["tok_s"], 3)
+    res["ngram.llama_cpp_speedup_over_plain_grounded"] = round(
+        res["grounded"]["llama_cpp_ngram"]["tok_s"] / glplain["tok_s"], 3)
+    if has_mtp:
+        mk, ma = mt["mtp_k"].summary(mt["plain"]), mt["mtp"].summary(mt["plain"])
+        res["mt_bench"].update({f"native_mtp_k{k}": mk, "native_mtp": ma})
+        res["grounded"]["native_mtp"] = gr["mtp"].summary(gr["plain"])
+        res["mtp.mean_accepted"] = mk.get("mean_accepted", 0.0)
+        res["mtp.acceptance_per_position"] = mk.get("acceptance_per_position", [])
+        res["mtp.speedup_over_plain"] = round(ma["tok_s"] / plain["tok_s"], 3)
+        res["mtp.speedup_over_llama_cpp"] = round(ma["tok_s"] / lplain["tok_s"], 3)
+        res[f"mtp.k{k}.speedup_over_plain"] = round(mk["tok_s"] / plain["tok_s"], 3)
+    else:
+        res["mtp"] = "no MTP heads ship for this model: run `edge-runtime train-mtp`"
+    res["lossless"] = all(v.get("identical", True) for w in ("mt_bench", "grounded") for name, v in res[w].items()
+                          if isinstance(v, dict) and name.startswith("native"))
+    res["grounded"]["llama_cpp_ngram"]["note"] = (
+        "not offered: llama.cpp's batched rows differ from its one-token rows, so answers can change")
+    from edge_cli.bench.decode import machine
+
+    res["machine"] = machine()
+    text = json.dumps(res, indent=2)
+    print(text)
+    if args.json_file:
+        with open(args.json_file, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    return 0 if res["lossless"] else 1
+
+
+def native_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()

@@ -1,0 +1,153 @@
+"""Training data for the MTP heads: the model's own answers, with its hidden states (self-distillation).
+
+Prompts come only from text shipped in this repository (never MT-Bench, the
+evaluation set): the labelled routing prompts, instruction templates over a
+fixed list of topics, and edit / summarize / rewrite tasks over passages of
+the GPL text in `edge_runtime/data`. For each prompt the model answers (greedy
+for most, sampled for some variety) and every step records what an MTP head
+sees and must predict:
+
+- `hidden[i]`: the final-normed hidden state whose logits chose answer token i,
+- `tokens[i]`: answer token i (what the step actually continued with),
+- `greedy[i]`: the model's argmax at that step (equal to tokens[i] when greedy),
+
+so a head given (hidden[i], tokens[i]) learns greedy[i + 1], then, chained,
+greedy[i + 2] ... Everything is seeded: the same command gives the same data.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import torch
+
+from edge_runtime import DATA_DIR
+from edge_runtime.engine.generator import build_prompt, prompt_ids
+from edge_runtime.request import GenerationRequest, SamplingParams
+from edge_runtime.engine.sampler import Sampler
+
+
+TOPICS = [
+    "photosynthesis", "the water cycle", "black holes", "compound interest", "the French Revolution",
+    "how vaccines work", "machine learning", "the stock market", "climate change", "the human heart",
+    "recursion in programming", "the Roman Empire", "volcanoes", "electric cars", "the internet",
+    "sleep", "coffee", "chess openings", "gardening", "renewable energy", "the moon landing",
+    "honeybees", "inflation", "public speaking", "time management", "the immune system", "rainbows",
+    "plate tectonics", "databases", "the Great Wall of China", "healthy breakfast ideas", "origami",
+    "a trip to Japan", "learning a new language", "the solar system", "bread baking", "earthquakes",
+    "sorting algorithms", "the printing press", "friendship", "ocean tides", "job interviews",
+]
+TEMPLATES = [
+    "Explain {t} to a ten-year-old.", "Write a short paragraph about {t}.", "Give me three facts about {t}.",
+    "What are the pros and cons of {t}?", "Write a short poem about {t}.", "Summarize the history of {t}.",
+    "List five tips related to {t}.", "Write a short story that involves {t}.",
+    "What is the most common misconception about {t}?", "Describe {t} in simple terms.",
+]
+PASSAGE_TASKS = [
+    "Summarize the following passage in two sentences:\n\n{p}",
+    "Rewrite the following passage in plain, simple English:\n\n{p}",
+    "Fix any typos and improve the wording of this text, keeping its meaning:\n\n{p}",
+    "Extract the key points of this text as a bulleted list:\n\n{p}",
+    "Repeat the following text exactly, then give it a title:\n\n{p}",
+]
+
+
+def passages(min_chars: int = 300, max_chars: int = 900) -> list[str]:
+    with open(os.path.join(DATA_DIR, "gpl-3.0.txt"), encoding="utf-8") as f:
+        paras = [" ".join(p.split()) for p in f.read().split("\n\n")]
+    out, cur = [], ""
+    for p in paras:
+        cur = f"{cur}\n\n{p}".strip() if cur else p
+        if len(cur) >= min_chars:
+            out.append(cur[:max_chars])
+            cur = ""
+    return out
+
+
+def training_prompts(seed: int = 0) -> list[str]:
+    """Every prompt the heads are trained on, in a fixed order (shuffled with `seed`)."""
+    with open(os.path.join(DATA_DIR, "routing_prompts.jsonl"), encoding="utf-8") as f:
+        prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
+    prompts += [tpl.format(t=t) for t in TOPICS for tpl in TEMPLATES]
+    prompts += [task.format(p=p) for i, p in enumerate(passages()) for task in PASSAGE_TASKS[i % 2::2]]
+    random.Random(seed).shuffle(prompts)
+    return prompts
+
+
+class _Answer:
+    def __init__(self, index: int, ids: list[int], table: list[int], temperature: float, seed: int, max_tokens: int):
+        self.index, self.history, self.table, self.max_tokens = index, list(ids), table, max_tokens
+        self.sampler = Sampler(SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed))
+        self.hs, self.toks, self.greedy = [], [], []
+        self.logits = self.hidden = None
+
+    def sample(self, eog: set[int], n_ctx: int) -> bool:
+        """Draws the next token from self.logits and records it; False when the answer is over."""
+        token = self.sampler.sample(self.logits, self.history)
+        self.hs.append(self.hidden.clone())
+        self.toks.append(token)
+        self.greedy.append(int(torch.argmax(self.logits)))
+        self.history.append(token)
+        return token not in eog and len(self.toks) < self.max_tokens and len(self.history) < n_ctx
+
+    def record(self) -> dict:
+        return {"hidden": torch.stack(self.hs).to(torch.float16), "tokens": torch.tensor(self.toks),
+                "greedy": torch.tensor(self.greedy)}
+
+
+@torch.inference_mode()
+def build_dataset(backend, out_path: str, num_prompts: int | None = None, max_tokens: int = 160,
+                  temperatures: tuple = (0.0, 0.8), seed: int = 0, batch: int = 8, progress=print) -> dict:
+    """Answers to the first `num_prompts` training prompts, once per temperature, saved with torch.save.
+
+    Up to `batch` answers decode together through the fused batched step (each row computed exactly
+    as a lone one-token step, so the records equal what single-stream decoding would give)."""
+    model, runner = backend.model, backend.runner
+    if model.fused is None:
+        raise RuntimeError("building MTP data needs the fused GGUF decode step (x86-64 with AVX2)")
+    prompts = training_prompts(seed)[:num_prompts]
+    jobs = [(t, i, p) for t in temperatures for i, p in enumerate(prompts)]
+    span = -(-(runner.n_ctx) // model.kv.block_size)  # blocks per slot: one full context each
+    if model.kv.num_blocks < batch * span:
+        batch = max(1, model.kv.num_blocks // span)
+    tables = [list(range(s * span, (s + 1) * span)) for s in range(batch)]
+    runner.reset()  # the slots use blocks directly: nothing of the runner's may be live
+    records: list = [None] * len(jobs)
+    live: dict[int, _Answer] = {}
+    nxt, done, tokens = 0, 0, 0
+    while nxt < len(jobs) or live:
+        for slot in range(batch):  # fill free slots: prefill, then the first token
+            while slot not in live and nxt < len(jobs):
+                temp, i, p = jobs[nxt]
+                req = GenerationRequest(messages=[{"role": "user", "content": p}], params=SamplingParams())
+                ids = prompt_ids(runner, build_prompt(req, backend.template))[:runner.n_ctx - max_tokens - 1]
+                a = _Answer(nxt, ids, tables[slot], temp, seed + nxt, max_tokens)
+                a.logits = model(torch.tensor(ids), 0, block_table=a.table)[-1].float()
+                a.hidden = model.last_hidden.float()
+                nxt += 1
+                if a.sample(runner.eog_ids, runner.n_ctx):
+                    live[slot] = a
+                else:
+                    records[a.index], done = a.record(), done + 1
+        if not live:
+            continue
+        slots = sorted(live)
+        rows = [live[s] for s in slots]
+        logits = model.fused.step_batch([a.history[-1] for a in rows], [len(a.history) - 1 for a in rows],
+                                        [a.table for a in rows])
+        hidden = model.fused.batch_hidden
+        for r, (slot, a) in enumerate(zip(slots, rows)):
+            a.logits, a.hidden = logits[r], hidden[r]
+            tokens += 1
+            if not a.sample(runner.eog_ids, runner.n_ctx):
+                records[a.index], done = a.record(), done + 1
+                del live[slot]
+                if progress and done % 40 == 0:
+                    progress(f"  {done}/{len(jobs)} answers, {tokens} tokens")
+    runner.reset()
+    data = {"records": records, "prompts": len(prompts), "temperatures": list(temperatures), "seed": seed,
+            "max_tokens": max_tokens}
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    torch.save(data, out_path)
+    return data

@@ -1,0 +1,119 @@
+"""The model runner of continuous batching: one scheduler step's chunks through the model.
+
+A step holds decode tokens (one per running sequence) and prefill chunks.
+The decode tokens of up to `decode_group` sequences run as one batched step
+over their own block tables: on CPU with the GGUF kernels, one C call for all
+layers (`FusedDecoder.step_batch`, whose GEMVs and attention compute every row
+exactly as a one-token step does); elsewhere (CUDA, torch's int4 kernels) the
+torch step with batched projections and `paged_decode_attention`. Each prefill
+chunk runs as its own variable-length forward over its sequence's blocks (SDPA
+where it applies, otherwise our tiled paged kernel; see transformer.py).
+
+Batching is lossless on CPU: a sequence's logits do not depend on what it was
+batched with, because every kernel a row passes through computes it on its
+own, and prefill chunk boundaries are fixed by the scheduler.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels.kv_cache import slot_tensor
+from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
+
+from edge_runtime.model.transformer import rms_norm
+from edge_runtime.engine.scheduler import ScheduledChunk
+
+
+class BatchRunner:
+    def __init__(self, model, decode_group: int | None = None):
+        self.model = model
+        if decode_group is None:
+            from kernels.cpu_gemv import max_rows
+
+            decode_group = max_rows() if model.fused is not None else 256
+        self.decode_group = decode_group
+        # prefill chunks up to this many tokens (in total) share one pass; the GGUF layers compute up
+        # to 64 rows as row-by-row GEMVs, so packing them changes no row's result
+        self.varlen_max_tokens = 64
+
+    @torch.inference_mode()
+    def run(self, chunks: list[ScheduledChunk], copies=()) -> list[torch.Tensor | None]:
+        """Logits fp32 [vocab] (on CPU) for each chunk that samples, None for the others."""
+        model = self.model
+        if copies:
+            model.kv.copy_blocks(copies)
+        out: list[torch.Tensor | None] = [None] * len(chunks)
+        decodes = [i for i, c in enumerate(chunks) if c.end - c.start == 1]
+        small: list[int] = []  # prefill chunks packed into one variable-length forward
+        for i, c in enumerate(chunks):
+            n = c.end - c.start
+            if n > self.varlen_max_tokens or (n > 1 and model.fused is not None and model.fused.exact_prefill()):
+                ids = torch.tensor(c.token_ids, dtype=torch.long, device=model.device)
+                logits = model(ids, c.start, block_table=c.block_table)
+                if c.samples:
+                    out[i] = logits[-1].float().cpu()
+            elif n > 1:
+                if sum(chunks[j].end - chunks[j].start for j in small) + n > self.varlen_max_tokens:
+                    self._varlen(chunks, small, out)
+                    small = []
+                small.append(i)
+        if small:
+            self._varlen(chunks, small, out)
+        for g in range(0, len(decodes), self.decode_group):
+            group = decodes[g:g + self.decode_group]
+            logits = self.decode([chunks[i].token_ids[0] for i in group], [chunks[i].start for i in group],
+                                 [chunks[i].block_table for i in group])
+            for row, i in enumerate(group):
+                out[i] = logits[row].float().cpu()
+        return out
+
+    def _varlen(self, chunks: list[ScheduledChunk], which: list[int], out: list) -> None:
+        """Prefill chunks of several sequences in one pass: their rows share every projection (row by
+        row, as each would alone), and attention runs per chunk over its own blocks."""
+        model, kv, dev = self.model, self.model.kv, self.model.device
+        bs = kv.block_size
+        ids = [t for i in which for t in chunks[i].token_ids]
+        pos = torch.tensor([p for i in which for p in range(chunks[i].start, chunks[i].end)], device=dev)
+        slots = torch.cat([slot_tensor(chunks[i].block_table, chunks[i].start, chunks[i].end, bs, dev)
+                           for i in which])
+        tables = [torch.tensor(chunks[i].block_table, dtype=torch.long, device=dev) for i in which]
+        bounds = [0]
+        for i in which:
+            bounds.append(bounds[-1] + chunks[i].end - chunks[i].start)
+        x = model.embedding(torch.tensor(ids, dtype=torch.long, device=dev))
+        cos, sin = model.cos[pos].unsqueeze(1), model.sin[pos].unsqueeze(1)
+        for layer, block in enumerate(model.blocks):
+            q, k, v = block.qkv_rope(x, cos, sin)
+            kv.write(layer, slots, k, v)
+            attn = torch.cat([paged_prefill_attention(q[a:b], kv, layer, table, chunks[i].start, block.scale)
+                              for i, table, a, b in zip(which, tables, bounds, bounds[1:])])
+            x = block.out_mlp(x, attn)
+        last = [b - 1 for i, b in zip(which, bounds[1:]) if chunks[i].samples]
+        if last:
+            logits = model.output(rms_norm(x[last], model.norm, model.cfg.norm_eps)).float().cpu()
+            for row, i in enumerate(i for i in which if chunks[i].samples):
+                out[i] = logits[row]
+
+    def decode(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor:
+        """One token of each sequence -> logits [M, vocab]."""
+        model = self.model
+        if model.fused is not None:
+            return model.fused.step_batch(token_ids, positions, block_tables)
+        return self._decode_torch(token_ids, positions, block_tables)
+
+    def _decode_torch(self, token_ids, positions, block_tables) -> torch.Tensor:
+        model, kv, dev = self.model, self.model.kv, self.model.device
+        bs = kv.block_size
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        x = model.embedding(torch.tensor(token_ids, dtype=torch.long, device=dev))
+        cos, sin = model.cos[pos].unsqueeze(1), model.sin[pos].unsqueeze(1)
+        slots = torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(block_tables, positions)], device=dev)
+        width = max(p // bs + 1 for p in positions)
+        tables = torch.zeros(len(positions), width, dtype=torch.long, device=dev)
+        for row, (t, p) in enumerate(zip(block_tables, positions)):
+            tables[row, :p // bs + 1] = torch.tensor(t[:p // bs + 1], device=dev)
+        for layer, block in enumerate(model.blocks):
+            q, k, v = block.qkv_rope(x, cos, sin)
+            kv.write(layer, slots, k, v)
+            x = block.out_mlp(x, paged_decode_attention(q, kv, layer, tables, pos + 1, block.scale))
+        return model.output(rms_norm(x, model.norm, model.cfg.norm_eps)).float()

@@ -1,0 +1,1 @@
+"""The model: GGUF file, config, loader, transformer (GQA), tokenizer, chat template, fused decode step."""

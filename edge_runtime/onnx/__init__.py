@@ -1,0 +1,1 @@
+"""ONNX export of the model and its weights, for the onnxruntime backend."""

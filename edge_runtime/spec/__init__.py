@@ -1,0 +1,1 @@
+"""Speculative decoding: drafters (n-gram prompt lookup, MTP heads) and their verification."""

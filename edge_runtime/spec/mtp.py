@@ -1,0 +1,195 @@
+"""Self-speculative multi-token prediction (MTP): light draft heads on the model's own hidden states.
+
+One `MtpHead` step takes the base model's final-normed hidden state h at
+position t and the embedding of token t + 1, and returns a new hidden state h'
+from which the token at t + 2 is read, through the model's own tied output
+head restricted to a draft vocabulary (the most frequent tokens of the
+model's answers, FR-Spec style: the full 49152-row head would cost a fifth of
+a forward step per drafted token). Chained (h' and the drafted token go back
+in) it drafts up to 4 tokens. Verification always uses the full head, so a
+token outside the draft vocabulary is simply never drafted.
+
+    z  = W_in [rms(h) * g_h ; rms(emb(x)) * g_e]        the two inputs fused
+    z += W_down silu(W_gate rms(z) * g_m) * W_up(...)   one small SwiGLU block
+    h' = rms(z) * g_o                                   logits = h' @ emb(vocab).T
+
+The block has no attention: h already summarizes the context, and a draft
+stays a handful of small matrix-vector products.
+
+File format (safetensors; `edge_runtime/data/mtp/<name>.safetensors`): the
+tensors of the module plus `vocab` (int64 draft token ids); the metadata holds
+`format` ("edge-runtime-mtp/1"), `dim`, `hidden`, `eps`, `depth` (drafts the
+head was trained to chain) and `base_fingerprint` (the base model's tokenizer
+fingerprint and shape, so heads never load onto another model). Other models
+ship heads by adding a file; GGUF models with native MTP layers can map those
+layers onto the same interface later.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from edge_runtime import DATA_DIR
+
+FORMAT = "edge-runtime-mtp/1"
+HEADS_DIR = os.path.join(DATA_DIR, "mtp")
+
+
+def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+class MtpHead(nn.Module):
+    def __init__(self, dim: int, hidden: int, vocab: torch.Tensor, eps: float = 1e-5, depth: int = 4):
+        super().__init__()
+        self.dim, self.hidden, self.eps, self.depth = dim, hidden, eps, depth
+        self.g_h, self.g_e = nn.Parameter(torch.ones(dim)), nn.Parameter(torch.ones(dim))
+        self.w_in = nn.Linear(2 * dim, dim, bias=False)
+        self.g_m = nn.Parameter(torch.ones(dim))
+        self.w_gate_up = nn.Linear(dim, 2 * hidden, bias=False)
+        self.w_down = nn.Linear(hidden, dim, bias=False)
+        self.g_o = nn.Parameter(torch.ones(dim))
+        self.register_buffer("vocab", vocab.long())
+        nn.init.normal_(self.w_in.weight, std=0.02)
+        nn.init.normal_(self.w_gate_up.weight, std=0.02)
+        nn.init.zeros_(self.w_down.weight)  # starts as a pure fusion of the inputs
+
+    def forward(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        """h, e: [N, dim] -> h' [N, dim]."""
+        z = self.w_in(torch.cat([_rms(h, self.eps) * self.g_h, _rms(e, self.eps) * self.g_e], dim=-1))
+        gate, up = self.w_gate_up(_rms(z, self.eps) * self.g_m).chunk(2, dim=-1)
+        z = z + self.w_down(F.silu(gate) * up)
+        return _rms(z, self.eps) * self.g_o
+
+    def save(self, path: str, base_fingerprint: str, extra: dict | None = None) -> None:
+        from safetensors.torch import save_file
+
+        tensors = {k: v.detach().to(torch.float16 if v.is_floating_point() else v.dtype).contiguous()
+                   for k, v in self.state_dict().items()}
+        meta = {"format": FORMAT, "dim": str(self.dim), "hidden": str(self.hidden), "eps": repr(self.eps),
+                "depth": str(self.depth), "base_fingerprint": base_fingerprint}
+        if extra:
+            meta["training"] = json.dumps(extra, sort_keys=True)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        save_file(tensors, path, metadata=meta)
+
+    @classmethod
+    def load(cls, path: str) -> tuple["MtpHead", dict]:
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("format") != FORMAT:
+                raise ValueError(f"{path} is not an MTP head file ({FORMAT})")
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        head = cls(int(meta["dim"]), int(meta["hidden"]), tensors["vocab"], float(meta["eps"]), int(meta["depth"]))
+        head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()})
+        return head.eval(), meta
+
+
+def base_fingerprint(backend) -> str:
+    cfg = backend.model.cfg
+    return f"{backend.tokenizer_fingerprint}:{cfg.dim}x{cfg.num_layers}:{cfg.vocab_size}"
+
+
+def find_heads(backend) -> str | None:
+    """The shipped head file made for this backend's model, if any."""
+    want = base_fingerprint(backend)
+    from safetensors import safe_open
+
+    for path in sorted(glob.glob(os.path.join(HEADS_DIR, "*.safetensors"))):
+        with safe_open(path, framework="pt") as f:
+            if (f.metadata() or {}).get("base_fingerprint") == want:
+                return path
+    return None
+
+
+class Q8Head:
+    """The same head for drafting with the Q8_0 GEMV kernels of kernels/cpu_gemv.c: its matrices (and the
+    draft-vocabulary rows of the output head) as Q8_0 blocks, about a quarter of the fp32 bytes, so a draft
+    step reads ~3 MB instead of ~19 MB. Drafts only propose: verification decides with the full model."""
+
+    def __init__(self, head: MtpHead, head_rows: torch.Tensor):
+        import gguf
+        import numpy as np
+
+        from kernels import cpu_gemv
+
+        def q8(w: torch.Tensor) -> torch.Tensor:
+            blocks = gguf.quants.quantize(w.detach().float().numpy(), gguf.GGMLQuantizationType.Q8_0)
+            return torch.from_numpy(np.ascontiguousarray(blocks))
+
+        # one thread: these GEMVs are small enough that waking a second costs more than it saves
+        self.gemv = lambda kind, w, x, n: cpu_gemv.gemv(kind, w, x, n, num_threads=1)
+        self.eps, self.hidden = head.eps, head.hidden
+        self.g_h, self.g_e, self.g_m, self.g_o = (g.detach().float().clone() for g in (head.g_h, head.g_e, head.g_m, head.g_o))
+        self.w_in, self.w_gate_up, self.w_down = (q8(lin.weight) for lin in (head.w_in, head.w_gate_up, head.w_down))
+        self.rows = q8(head_rows)
+        self.n_in, self.n_vocab = head.dim, head_rows.shape[0]
+
+    def __call__(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        z = self.gemv("q8_0", self.w_in, torch.cat([_rms(h, self.eps) * self.g_h, _rms(e, self.eps) * self.g_e], -1),
+                      self.n_in)
+        gate, up = self.gemv("q8_0", self.w_gate_up, _rms(z, self.eps) * self.g_m, 2 * self.hidden).chunk(2, dim=-1)
+        z = z + self.gemv("q8_0", self.w_down, F.silu(gate) * up, self.n_in)
+        return _rms(z, self.eps) * self.g_o
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.gemv("q8_0", self.rows, h, self.n_vocab)
+
+
+class MtpDrafter:
+    """Drafts by chaining an MtpHead from the hidden state of the last verified position."""
+    name = "mtp"
+    needs_hidden = True
+
+    def __init__(self, head: MtpHead, embed, max_depth: int | None = None, fast: bool = True):
+        self.head = head
+        self.embed = embed  # ids [N] -> [N, dim] fp32: the base model's embedding (tied with its head)
+        with torch.inference_mode():
+            self.head_rows = embed(head.vocab).float().reshape(len(head.vocab), head.dim).contiguous()
+        self.vocab = head.vocab.tolist()
+        self.max_depth = max_depth or head.depth
+        self.fast = None
+        if fast:
+            from kernels import cpu_gemv
+
+            if cpu_gemv.available() and head.dim % 32 == 0 and head.hidden % 32 == 0:
+                self.fast = Q8Head(head, self.head_rows)
+
+    @classmethod
+    def for_backend(cls, backend) -> "MtpDrafter":
+        from edge_runtime.errors import InvalidRequestError
+
+        if getattr(backend, "model", None) is None:
+            raise InvalidRequestError(f"MTP drafting needs the native backend's hidden states, not {backend.name}")
+        path = find_heads(backend)
+        if path is None:
+            raise InvalidRequestError("no MTP heads ship for this model: train them with `edge-runtime train-mtp`")
+        head, _ = MtpHead.load(path)
+        return cls(head, backend.model.embedding)
+
+    def propose(self, history: list[int], k: int, hidden: torch.Tensor) -> list[int]:
+        """The drafter interface of speculative.py: `hidden` chose history[-1]."""
+        return self.propose_from(hidden, history[-1], k)
+
+    @torch.inference_mode()
+    def propose_from(self, hidden: torch.Tensor, token: int, k: int) -> list[int]:
+        """Up to k drafts after `token`, given the hidden state whose logits chose `token`."""
+        h = hidden.float().reshape(1, -1)
+        out = []
+        for _ in range(min(k, self.max_depth)):
+            e = self.embed(torch.tensor([token])).reshape(1, -1)
+            if self.fast is not None:
+                h = self.fast(h, e)
+                token = self.vocab[int(torch.argmax(self.fast.logits(h)))]
+            else:
+                h = self.head(h, e)
+                token = self.vocab[int(torch.argmax(h[0] @ self.head_rows.T))]
+            out.append(token)
+        return out

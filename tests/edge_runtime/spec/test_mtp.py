@@ -1,0 +1,64 @@
+"""MTP heads: the training command end to end (tiny), the file format, loading rules, drafting."""
+import pytest
+import torch
+
+from edge_cli.main import main
+from edge_runtime.spec.mtp import FORMAT, MtpDrafter, MtpHead, base_fingerprint, find_heads
+from edge_cli.train_mtp import expected_accepted
+
+
+def test_train_mtp_writes_heads_that_load_and_draft(tmp_path, native_backend):
+    data, out = tmp_path / "answers.pt", tmp_path / "heads.safetensors"
+    rc = main(["train-mtp", "--prompts", "4", "--max-tokens", "12", "--epochs", "1", "--hidden", "64",
+               "--draft-vocab", "256", "--data", str(data), "--out", str(out)])
+    assert rc == 0 and data.exists() and out.exists()
+    recs = torch.load(data)["records"]
+    assert len(recs) == 8  # 4 prompts, greedy and sampled
+    for r in recs:  # one hidden state per answer token, and greedy answers follow their own argmax
+        assert r["hidden"].shape == (len(r["tokens"]), 576) and len(r["greedy"]) == len(r["tokens"])
+    for r in recs[:4]:  # the greedy answers come first: each token is the step's argmax
+        assert torch.equal(r["tokens"], r["greedy"])
+    head, meta = MtpHead.load(str(out))
+    assert meta["format"] == FORMAT and meta["base_fingerprint"] == base_fingerprint(native_backend)
+    assert head.hidden == 64 and len(head.vocab) == 256
+    drafter = MtpDrafter(head, native_backend.model.embedding)
+    drafts = drafter.propose_from(torch.randn(576), 100, 3)
+    assert len(drafts) == 3 and set(drafts) <= set(head.vocab.tolist())
+    slow = MtpDrafter(head, native_backend.model.embedding, fast=False)  # the fp32 reference path drafts too
+    assert len(slow.propose_from(torch.randn(576), 100, 9)) == head.depth  # never beyond the trained depth
+    assert rc == 0 and main(["train-mtp", "--data", str(data), "--epochs", "0"]) == 0  # cached answers reused
+
+
+def test_heads_of_another_model_are_not_found(tmp_path, native_backend, monkeypatch):
+    import edge_runtime.spec.mtp as mtp
+
+    head = MtpHead(576, 32, torch.arange(64))
+    head.save(str(tmp_path / "other.safetensors"), "someone-else:576x30:49152")
+    monkeypatch.setattr(mtp, "HEADS_DIR", str(tmp_path))
+    assert find_heads(native_backend) is None
+    head.save(str(tmp_path / "mine.safetensors"), base_fingerprint(native_backend))
+    assert find_heads(native_backend).endswith("mine.safetensors")
+
+
+def test_a_file_that_is_not_an_mtp_head_is_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(2)}, str(tmp_path / "x.safetensors"))
+    with pytest.raises(ValueError, match="not an MTP head file"):
+        MtpHead.load(str(tmp_path / "x.safetensors"))
+
+
+def test_expected_tokens_per_step():
+    assert expected_accepted([1.0, 1.0, 1.0, 1.0], 3) == 4.0
+    assert expected_accepted([0.5, 0.5, 0.5], 3) == pytest.approx(1.875)
+    assert expected_accepted([0.0, 1.0], 2) == 1.0
+
+
+def test_shipped_heads_match_the_default_model(native_backend):
+    path = find_heads(native_backend)
+    assert path is not None, "edge_runtime/data/mtp ships heads for the default model"
+    head, meta = MtpHead.load(path)
+    import os
+
+    assert os.path.getsize(path) <= 20 * 1024 * 1024
+    assert native_backend.model.cfg.dim == head.dim
