@@ -34,11 +34,10 @@ def report(device: str | None = None, backend: str | None = None) -> dict:
         raise EdgeRuntimeError(e.message) from None
     reasons = choice.pop("reasons")
     kernels = kernels_report()
-    batched = (choice["backend"] == "native" and choice["quant"] == "gguf" and choice["device"] == "cpu"
-               and kernels["available"])
-    choice["serve_concurrency"] = ("concurrent requests share decode steps" if batched else
-                                   f"one request at a time ({choice['backend']}"
-                                   f"{'' if choice['backend'] != 'native' else ' without the GGUF C kernels'})")
+    fused = choice["quant"] == "gguf" and choice["device"] == "cpu" and kernels["available"]
+    choice["serve_concurrency"] = (
+        f"concurrent requests share decode steps{'' if fused else ' (without drafts: no GGUF C kernels here)'}"
+        if choice["backend"] == "native" else f"one request at a time ({choice['backend']})")
     return {"found": found, "chosen": choice, "reasons": reasons, "kernels": kernels}
 
 

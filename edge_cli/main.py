@@ -91,7 +91,8 @@ def backend_args(args, compile: bool | str = "auto") -> tuple[str, dict, object]
         given = [flag for flag, on in (("--quant", args.quant != "auto"),
                                        ("--kv-dtype", getattr(args, "kv_dtype", None) is not None),
                                        ("--kv-budget", getattr(args, "kv_budget", None) is not None),
-                                       ("--compile", bool(getattr(args, "compile", False)))) if on]
+                                       ("--compile", bool(getattr(args, "compile", False))),
+                                       ("--max-batch", getattr(args, "max_batch", None) is not None)) if on]
         if given:
             raise EdgeRuntimeError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to the native "
                                    f"backend only, not to {choice.backend} (drop {'it' if len(given) == 1 else 'them'}"
@@ -115,7 +116,7 @@ def backend_args(args, compile: bool | str = "auto") -> tuple[str, dict, object]
         kwargs.update(quant=choice.quant if args.quant == "auto" else args.quant, device=choice.device,
                       compile=compile, kv_dtype=args.kv_dtype or choice.kv_dtype, kv_budget=args.kv_budget,
                       kv_budget_cap=None if args.kv_budget else choice.kv_budget_bytes,
-                      kv_block_size=choice.block_size)
+                      kv_block_size=choice.block_size, max_batch=getattr(args, "max_batch", None) or 8)
     elif choice.backend == "onnxruntime":
         # int8 where the profile asks for it (QNN's HTP runs 8-bit); otherwise the GGUF's own blocks
         kwargs.update(providers=choice.providers, provider_options=choice.provider_options,

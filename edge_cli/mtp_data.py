@@ -23,7 +23,7 @@ import random
 import torch
 
 from edge_runtime import DATA_DIR
-from edge_runtime.engine.generator import build_prompt, prompt_ids
+from edge_runtime.engine.completion import build_prompt, prompt_ids
 from edge_runtime.request import GenerationRequest, SamplingParams
 from edge_runtime.engine.sampler import Sampler
 

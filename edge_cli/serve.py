@@ -43,20 +43,7 @@ def build_gateway(args, make_backend):
     if args.max_batch is not None and args.max_batch < 1:
         raise EdgeRuntimeError(f"--max-batch must be >= 1, not {args.max_batch}")
 
-    def make_local(a):
-        backend = make_backend(a)
-        if args.max_batch == 1:
-            return backend
-        from edge_runtime.backends import batched
-
-        if not batched.usable(backend):
-            if args.max_batch is not None:  # asked for explicitly: say it does not apply rather than ignore it
-                raise EdgeRuntimeError(f"--max-batch applies to the native backend with GGUF weights and its C "
-                                       f"kernels on the CPU, not to {backend.name} (one request at a time there)")
-            return backend
-        return batched.BatchedNative(backend, args.max_batch or 8)
-
-    runtime = make_runtime(args, make_local)
+    runtime = make_runtime(args, make_backend)  # --max-batch reaches the native backend (main.backend_args)
     model_id = args.model_id or os.path.splitext(os.path.basename(getattr(runtime.local, "path", args.model)))[0]
     gw = Gateway(runtime, model_id, api_key=_api_key(args), max_in_flight=args.max_in_flight,
                  default_max_tokens=args.default_max_tokens)
@@ -64,8 +51,8 @@ def build_gateway(args, make_backend):
 
 
 def _concurrency(local) -> str:
-    engine = getattr(local, "engine", None)
-    if engine is not None:
+    engine = getattr(local, "engine", None) if getattr(local, "name", "") == "native" else None
+    if engine is not None and engine.config.max_num_seqs > 1:
         return f"concurrent requests share decode steps (up to {engine.config.max_num_seqs} sequences per step)"
     return f"one request at a time ({getattr(local, 'name', '?')})"
 

@@ -83,6 +83,10 @@ class GenerationRequest:
     are instead of re-tokenizing the text (a hand-off then continues exactly).
     `confidence` asks local backends for the model's entropy and top-1 margin
     at each generated token (delta `info`), which the hybrid router reads.
+    `prompt_token_ids` is set on the device by the first to tokenize the request
+    (the gateway's context check, the router's size rule, or the engine), with
+    `prompt_tokenizer` the fingerprint of the tokenizer that made them: the rest
+    use the same ids instead of rendering and tokenizing again (completion.py).
     """
 
     messages: list[dict] | None = None
@@ -94,6 +98,8 @@ class GenerationRequest:
     id: str = ""
     prefix_token_ids: list[int] | None = None
     confidence: bool = False
+    prompt_token_ids: list[int] | None = None
+    prompt_tokenizer: str = ""
 
     def __post_init__(self) -> None:
         if (self.messages is None) == (self.prompt is None):

@@ -25,7 +25,7 @@ import sys
 import time
 
 from edge_cli.bench.decode import print_and_save
-from edge_runtime.engine.generator import build_prompt, prompt_ids
+from edge_runtime.engine.completion import build_prompt, prompt_ids
 from edge_runtime.request import GenerationRequest, SamplingParams
 
 from cloud_fallback.cloud_backend import CloudBackend
@@ -94,7 +94,7 @@ def run_hybrid_bench(args) -> int:
                 ttft = {k: [] for k in ("local", "cloud", "auto")}
                 for p in prompts:
                     for route in ttft:
-                        local.runner.reset()  # no prefix-cache hit from the previous route's run
+                        local.reset_prefix_cache()  # no prefix-cache hit from the previous route's run
                         ttft[route].append(await _ttft(rt, _req(p, 16, route)))
                 forced = HybridRuntime(local, cloud, monitor_factory=lambda: TripAt(7))
                 forced.router.device_probe = None  # the forced monitor must run, whatever the machine's load
@@ -121,7 +121,7 @@ def run_hybrid_bench(args) -> int:
         req = _req(p, 1)
         req.prefix = text
         ids = prompt_ids(local.runner, build_prompt(req, local.template))
-        local.runner.reset()
+        local.reset_prefix_cache()
         t = time.perf_counter()
         local.runner.prefill(ids)
         prefill.append((time.perf_counter() - t) * 1000.0)

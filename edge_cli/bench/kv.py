@@ -83,9 +83,9 @@ def prefix_ttft(model: str, threads: int | None, repeats: int) -> dict:
     first, second = request("Summarise the preamble in one sentence."), request("Who may copy this license?")
     cold, cached = [], []
     for _ in range(repeats + 1):  # the first round warms up
-        backend.runner.reset()  # empty prefix cache: the second request is evaluated in full
+        backend.reset_prefix_cache()  # empty prefix cache: the second request is evaluated in full
         cold.append(backend.generate(second).ttft_ms)
-        backend.runner.reset()
+        backend.reset_prefix_cache()
         backend.generate(first)  # caches the system prompt's full blocks
         cached.append(backend.generate(second).ttft_ms)
     prompt_tokens = backend.generate(second).usage.prompt_tokens

@@ -91,7 +91,7 @@ class Tally:
 
 
 def _run(backend, draft: str, k: int | None, prompt: str, max_tokens: int, tally: Tally) -> None:
-    backend.runner.reset()  # every run cold: a prefix-cache hit would change the prompt's arithmetic
+    backend.reset_prefix_cache()  # every run cold: a prefix-cache hit would change the prompt's arithmetic
     backend.set_draft(draft, k=k, allow_inexact=True)  # llama.cpp's n-gram row: measured, not offered
     req = GenerationRequest(messages=[{"role": "user", "content": prompt}],
                             params=SamplingParams(temperature=0.0, max_tokens=max_tokens))

@@ -1,10 +1,11 @@
 """The interface every backend offers, and what they share.
 
-`stream_sync` is the generator a backend implements (through
-`generator.generate_stream`); `stream` runs it on a worker thread and hands
-the same events to asyncio code; `generate` collects a whole answer. A
-backend serves one request at a time (a lock), so its KV state is never
-shared by two streams.
+`stream_sync` is the generator a backend implements: the native backend through
+the engine core (concurrent requests share its steps), llama.cpp and onnxruntime
+through `generator.generate_stream`, one request at a time behind a lock, so
+their KV state is never shared by two streams. `stream` runs it on a worker
+thread and hands the same events to asyncio code; `generate` collects a whole
+answer.
 """
 from __future__ import annotations
 
@@ -51,10 +52,15 @@ class Backend(ABC):
     def tokenize(self, text: str, special: bool = True) -> list[int]:
         return self.runner.tokenize(text, special)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix, so the next request is evaluated in full (a benchmark's cold start)."""
+        self.runner.reset()
+
     def stream_sync(self, request: GenerationRequest, cancel: threading.Event | None = None) -> Iterator[StreamEvent]:
         """Yield start, delta..., finish. Bad input raises an EdgeRuntimeError before anything is yielded."""
         with self._lock:
-            yield from generate_stream(self.runner, self.template, request, self.name, cancel, self.drafter)
+            yield from generate_stream(self.runner, self.template, request, self.name, cancel, self.drafter,
+                                       getattr(self, "tokenizer_fingerprint", ""))
 
     async def stream(self, request: GenerationRequest, prefix: str | None = None) -> AsyncIterator[StreamEvent]:
         """Async view of `stream_sync`; `prefix` overrides request.prefix (assistant text to continue)."""

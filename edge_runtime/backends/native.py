@@ -1,16 +1,27 @@
 """The native backend: our torch transformer over the GGUF's quantized weights.
 
-`NativeRunner` keeps K/V only in the paged cache: a `BlockManager` hands each
-request a block table, and full blocks of verified tokens stay in its prefix
-cache after the request ends, so the next request that starts with the same
-tokens (a growing chat, a shared system prompt) only evaluates what is new.
-Prompts are evaluated in chunks of `n_batch` tokens.
+Requests go through the engine core (engine/batch_engine.py) on its own thread: concurrent
+requests (a `serve` gateway's clients, the hybrid runtime's) share its steps, up to
+`max_batch` sequences per step, and drafts (`set_draft`) are rows of those steps. The engine
+runs on a shallow copy of the model: the same weights, its own paged KV cache and fused
+decoder. Its prefix cache keeps the full blocks of finished requests, so the next request
+that starts with the same tokens (a growing chat, a shared system prompt) only evaluates what
+is new.
+
+`NativeRunner` is the model one sequence at a time over a KV cache of its own: teacher-forced
+logits (`logits`, perplexity), the compile warm-up and MTP training data use it.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
+import copy
 import itertools
 import os
+import queue
+import threading
+import time
+from typing import Iterator
 
 import torch
 
@@ -25,6 +36,10 @@ from edge_runtime.engine.kv_cache_config import KVCacheConfig, format_bytes
 from edge_runtime.model.loader import load_model
 from edge_runtime.model.tokenizer import Tokenizer
 from edge_runtime.backends.base import Backend
+from edge_runtime.engine.batch_engine import BatchEngine
+from edge_runtime.engine.scheduler import SchedulerConfig
+from edge_runtime.errors import InvalidRequestError
+from edge_runtime.request import GenerationRequest, StreamEvent
 
 
 class NativeRunner:
@@ -182,8 +197,13 @@ class NativeBackend(Backend):
                  quant: str = "auto", device: str = "cpu", compile: bool | str = "auto",
                  head_quant: str | None = None, progress=None, fused: bool = True,
                  kv_dtype: str = "fp16", kv_budget: str | int | float | None = None, kv_block_size: int = 16,
-                 kv_budget_cap: int | None = None):
+                 kv_budget_cap: int | None = None, max_batch: int = 8):
         super().__init__()
+        if max_batch < 1:
+            raise InvalidRequestError(f"max_batch must be >= 1, not {max_batch}")
+        self.max_batch = max_batch
+        self._engine: BatchEngine | None = None
+        self._ids = itertools.count()
         _check_device(device)
         self.kv_config = KVCacheConfig(kv_dtype, kv_block_size, kv_budget, kv_budget_cap)  # bad flags fail before loading
         if threads:
@@ -195,7 +215,7 @@ class NativeBackend(Backend):
         tokenizer = Tokenizer.from_metadata(gf.metadata)
         self.template = ChatTemplate.from_metadata(gf.metadata)
         self.sampling_defaults = sampling_defaults.from_metadata(gf.metadata)
-        n_ctx = min(n_ctx, self.config.max_context)
+        n_ctx = self.n_ctx_asked = min(n_ctx, self.config.max_context)
         self.runner = NativeRunner(self.model, tokenizer, n_ctx, kv_config=self.kv_config)
         self.fused = False
         if self.quant == "gguf" and fused:  # our C kernels are built: fuse the small decode ops too
@@ -216,3 +236,88 @@ class NativeBackend(Backend):
     def logits(self, token_ids: list[int]) -> torch.Tensor:
         with self._lock:
             return self.runner.logits(token_ids)
+
+    @property
+    def engine(self) -> BatchEngine:
+        """The engine core all requests go through, started on first use (max_batch is read then)."""
+        if self._engine is None:
+            model = copy.copy(self.model)  # the same modules (weights); its own cache and fused decoder below
+            model.kv = model.fused = model.last_hidden = None
+            self.runner.compute_lock = lock = threading.Lock()  # the runner and the engine take turns by step
+            config = SchedulerConfig(self.max_batch, max(512, 256 + self.max_batch), 256)
+            self._engine = BatchEngine(model, self.tokenizer, self.template, self.n_ctx_asked,
+                                       kv_config=self.kv_config, config=config, model_name="native", source="local",
+                                       step_lock=lock, fused=self.fused).start()
+            atexit.register(self._engine.stop)  # its thread must leave torch before the interpreter does
+        return self._engine
+
+    @property
+    def n_ctx(self) -> int:
+        return self.engine.n_ctx
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.stop()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (a benchmark's cold start); only while no request runs."""
+        self.runner.reset()
+        self.engine.blocks.reset_prefix_cache()
+
+    def set_draft(self, name: str, k: int | None = None, allow_inexact: bool = False) -> None:
+        """Drafting in the engine's steps: "auto" (n-gram where the fused C step runs, else none), "none",
+        "ngram" or "mtp"; `k` fixes the draft length (default: the planner's choice). Output is unchanged."""
+        from edge_runtime.spec.speculative import DRAFTERS
+
+        if name not in DRAFTERS:
+            raise InvalidRequestError(f"unknown draft method {name!r}: choose one of {', '.join(DRAFTERS)}")
+        engine = self.engine
+        if name == "auto":
+            name = "ngram" if engine.model.fused is not None else "none"
+        mtp = None
+        if name == "mtp":
+            from edge_runtime.spec.mtp import MtpDrafter
+
+            mtp = getattr(self, "_mtp_drafter", None) or MtpDrafter.for_backend(self)
+            self._mtp_drafter = mtp
+        try:
+            engine.set_draft(name, mtp=mtp, fixed_k=k)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
+        self.draft = name
+
+    def stream_sync(self, request: GenerationRequest, cancel: threading.Event | None = None) -> Iterator[StreamEvent]:
+        """start, delta..., finish through the engine; bad input raises before start."""
+        engine = self.engine
+        ids = engine.prepare(request)
+        rid = f"local-{next(self._ids)}"
+        events: queue.Queue = queue.Queue()
+        t0 = time.perf_counter()
+        yield StreamEvent("start", info={"backend": self.name, "prompt_tokens": len(ids)})
+        engine.submit(rid, request, events.put, prompt_token_ids=ids)
+        cancelled, done, first, generated = False, False, None, 0
+        try:
+            while True:
+                if cancel is not None and cancel.is_set() and not cancelled:
+                    engine.cancel(rid)  # its KV blocks are freed at once; it finishes "cancelled"
+                    cancelled = True
+                try:
+                    ev = events.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                if ev.type == "delta":
+                    first = first or time.perf_counter()
+                    generated += len(ev.token_ids)
+                    yield ev
+                    continue
+                now = time.perf_counter()
+                decode_s = now - (first or now)
+                ev.info = {**ev.info, "backend": self.name, "ttft_ms": ((first or now) - t0) * 1000.0,
+                           "decode_tok_per_s": (generated - 1) / decode_s if generated > 1 and decode_s > 0 else 0.0,
+                           "total_s": now - t0}
+                done = True
+                yield ev
+                return
+        finally:
+            if not done and not cancelled:  # the reader left early (a closed generator): stop generating for it
+                engine.cancel(rid)

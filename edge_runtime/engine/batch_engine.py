@@ -1,19 +1,22 @@
-"""The continuous-batching engine: many concurrent requests on one model and one paged KV cache.
+"""The engine core: many concurrent requests on one model and one paged KV cache.
 
-`BatchEngine` owns the model, the block manager, the scheduler and the batch
-runner, and runs them on one thread (`run_forever`): each step it applies the
-commands other threads queued (submit, cancel, hold, park, unpark), schedules,
-runs the step, samples each finished chunk's next token with that request's
-own sampler, and hands the request's `StreamEvent`s (delta ..., finish) to its
-sink. Sinks are called on the engine thread and must not block.
+`BatchEngine` owns the model, the block manager, the scheduler, the batch runner and the
+drafter, and runs them on one thread (`run_forever`): each step it applies the commands other
+threads queued (submit, cancel, hold, park, unpark), schedules (scheduler.py), gives decode
+chunks drafts (drafting.py), runs the step (batch_runner.py), samples each finished chunk's
+next tokens with that request's own `Completion` (completion.py: sampling, detokenization,
+stop strings and limits), and hands the request's `StreamEvent`s (delta ..., finish) to its
+sink. Sinks are called on the engine thread and must not block. The native backend on the
+device, the worker and the CLI all generate through it.
 
 - cancel frees the request's KV blocks at once and finishes it `cancelled`;
 - hold keeps its blocks but stops scheduling it (its reader is behind);
 - park frees its blocks and keeps its state (its client went away and may
   resume); unpark queues it again, recomputing its tokens so far.
 
-Detokenization, stop strings and limits are applied exactly as in the
-single-stream generator, so a request's text here equals the local engine's.
+A request with `confidence` gets each token's entropy and top-2 margin in its delta's info,
+and the first delta also carries the prompt's final hidden state (`hidden`), for the hybrid
+runtime's escalation monitor and difficulty probe. The engine knows nothing about routing.
 """
 from __future__ import annotations
 
@@ -25,17 +28,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
+
 from edge_runtime.engine.batch_runner import BatchRunner
 from edge_runtime.engine.block_manager import BlockManager
-from edge_runtime.model.chat_template import ChatTemplate
-from edge_runtime.engine.detokenizer import IncrementalDetokenizer
-from edge_runtime.errors import ContextLengthError
-from edge_runtime.engine.generator import request_ids
+from edge_runtime.engine.completion import Completion, confidence, request_ids
+from edge_runtime.engine.drafting import DRAFTS, JobDrafts, StepDrafter
 from edge_runtime.engine.kv_cache_config import KVCacheConfig, format_bytes
-from edge_runtime.request import GenerationRequest, StreamEvent, Usage
-from edge_runtime.engine.sampler import Sampler
 from edge_runtime.engine.scheduler import BATCH, INTERACTIVE, Scheduler, SchedulerConfig, Sequence
-from edge_runtime.engine.stop_matcher import StopMatcher
+from edge_runtime.errors import ContextLengthError
+from edge_runtime.model.chat_template import ChatTemplate
+from edge_runtime.request import GenerationRequest, StreamEvent, Usage
 
 Sink = Callable[[StreamEvent], None]
 
@@ -47,16 +50,14 @@ class Job:
     request: GenerationRequest
     seq: Sequence
     sink: Sink
-    sampler: Sampler
-    detok: IncrementalDetokenizer
-    stops: StopMatcher
-    generated: list[int] = field(default_factory=list)
+    completion: Completion
+    drafts: JobDrafts | None = None
+    hidden: torch.Tensor | None = None  # [dim]: the hidden state whose logits chose the last token
     next_seq: int = 0  # seq number of the next delta
     parked: bool = False
     done: bool = False
     t_submit: float = field(default_factory=time.perf_counter)
     t_first: float | None = None
-    drafting: object = None  # engine_draft.LoneDrafting while it runs alone with drafts
 
 
 class BatchEngine:
@@ -65,13 +66,7 @@ class BatchEngine:
                  model_name: str = "model", fused: bool = True, source: str = "cloud", step_lock=None,
                  draft: str = "none"):
         """source: what its events say they came from ("cloud" on the worker, "local" on the device);
-        step_lock: held while a step computes (the device's single-stream path shares the weights);
-        draft: "ngram" drafts for a sequence that runs alone (drafting.py), "none" never."""
-        from edge_runtime.engine.drafting import DRAFTS
-
-        if draft not in DRAFTS:
-            raise ValueError(f"the batch engine drafts with {' or '.join(DRAFTS)}, not {draft!r}")
-        self.draft = draft
+        step_lock: held while a step computes; draft: "none", "ngram" or "mtp" (`set_draft`)."""
         from kernels.kv_cache import PagedKVCache
 
         self.model, self.tokenizer, self.template, self.model_name = model, tokenizer, template, model_name
@@ -84,6 +79,7 @@ class BatchEngine:
         if num_blocks < 1:
             raise ContextLengthError(f"KV budget {format_bytes(budget)} ({kv.kv_dtype}) holds less than one block")
         self.capacity = num_blocks * kv.block_size
+        self.n_ctx_asked = n_ctx
         self.n_ctx = min(n_ctx, self.capacity)  # one sequence always fits alone: no preemption deadlock
         self.kv_budget_text = f"{format_bytes(budget)}, {kv.kv_dtype}"
         model.allocate_cache(self.n_ctx, num_blocks, kv.block_size, kv.kv_dtype)
@@ -106,9 +102,30 @@ class BatchEngine:
         self.thread: threading.Thread | None = None
         self.num_steps = 0
         self.max_sequences = 0  # the most sequences one step has carried
-        self._draft_done = (0, 0, 0)  # verifications, drafts proposed, drafts accepted of finished jobs
+        self.num_verifications = self.num_proposed = self.num_accepted = 0
         self.tokens_generated = 0
         self._recent: collections.deque = collections.deque()  # (time, tokens) of recent steps
+        self.draft, self.drafter = "none", None
+        self.set_draft(draft)
+        self._cache_arith = self._arith()  # the GEMV arithmetic the prefix cache's K/V were computed with
+
+    def _arith(self) -> str:
+        if getattr(self.model, "quant", None) != "gguf":
+            return "n/a"
+        from kernels import cpu_gemv
+
+        return cpu_gemv.arith()
+
+    def set_draft(self, method: str, mtp=None, fixed_k: int | None = None) -> None:
+        """Drafting for requests submitted from now on: "none", "ngram" or "mtp" (with `mtp`, an MtpDrafter).
+        Drafts need the fused C step (its rows are bit for bit one-token steps); elsewhere it is refused."""
+        if method not in DRAFTS:
+            raise ValueError(f"the batch engine drafts with {' or '.join(DRAFTS)}, not {method!r}")
+        if method != "none" and self.model.fused is None:
+            raise ValueError("drafting needs the GGUF weights on our C kernels (--quant gguf on a CPU): other "
+                             "paths round a batch of rows differently from one row, so drafts would change answers")
+        self.draft = method
+        self.drafter = None if method == "none" else StepDrafter(method, self.runner.decode_group, mtp, fixed_k)
 
     # --- the Runner protocol bits prompt_ids() uses ----------------------------------------------
     def tokenize(self, text: str, special: bool = True) -> list[int]:
@@ -120,12 +137,16 @@ class BatchEngine:
     # --- called from any thread ------------------------------------------------------------------
     def prepare(self, request: GenerationRequest, max_prompt_tokens: int | None = None) -> list[int]:
         """The prompt's token ids; raises ContextLengthError when it cannot be served."""
-        ids = request_ids(self, request, self.template, self.tokenizer.vocab_size) or [self.bos_id or 0]
+        ids = request_ids(self, request, self.template, self.tokenizer.vocab_size,
+                          self.tokenizer.fingerprint) or [self.bos_id or 0]
         limit = self.n_ctx if max_prompt_tokens is None else min(self.n_ctx, max_prompt_tokens + 1)
         if len(ids) >= limit:
-            why = (f"the worker's limit is {max_prompt_tokens} prompt tokens" if limit <= self.n_ctx - 1
-                   and max_prompt_tokens is not None else
-                   f"the context is {self.n_ctx} tokens (KV budget {self.kv_budget_text})")
+            if max_prompt_tokens is not None and limit <= self.n_ctx - 1:
+                why = f"the worker's limit is {max_prompt_tokens} prompt tokens"
+            elif self.capacity < self.n_ctx_asked:
+                why = f"the KV budget ({self.kv_budget_text}) holds {self.capacity} tokens"
+            else:
+                why = f"the context window is {self.n_ctx} tokens"
             raise ContextLengthError(f"prompt is {len(ids)} tokens but {why}; at least one token must be "
                                      f"left to generate")
         return ids
@@ -134,8 +155,9 @@ class BatchEngine:
                prompt_token_ids: list[int] | None = None) -> None:
         ids = prompt_token_ids if prompt_token_ids is not None else self.prepare(request)
         seq = Sequence(next(self._seq_ids), list(ids), len(ids), BATCH if priority == "batch" else INTERACTIVE)
-        job = Job(id, request, seq, sink, Sampler(request.params), IncrementalDetokenizer(self.token_bytes),
-                  StopMatcher(request.params.stop))
+        job = Job(id, request, seq, sink, Completion(request.params, self.token_bytes, self.eog_ids, self.n_ctx))
+        if self.drafter is not None:
+            job.drafts = self.drafter.new_job()
         self._command("submit", job)
 
     def cancel(self, id: str) -> None:
@@ -194,8 +216,6 @@ class BatchEngine:
             elif kind == "hold":
                 job.seq.held = arg[1]
             elif kind == "park" and not job.parked:
-                if job.drafting is not None:
-                    job.drafting.leave(job)
                 job.parked = True
                 self.scheduler.finish(job.seq)  # its blocks go back at once
             elif kind == "unpark" and job.parked:
@@ -203,109 +223,99 @@ class BatchEngine:
                 self.scheduler.requeue(job.seq)
 
     def step(self) -> int:
-        """One scheduler step; returns the number of tokens computed."""
+        """One step: schedule, draft, compute, sample, update. Returns the number of rows computed."""
         self._apply_commands()
-        lone = self._lone_job()
-        if lone is not None:
-            rows = self._draft_step(lone)
-            if rows:
-                return rows
-        for job in self.jobs.values():  # with company, nobody drafts: back to plain rows of the batch
-            if job.drafting is not None:
-                job.drafting.leave(job)
+        arith = self._arith()
+        if arith != self._cache_arith:  # cached K/V made by the other arithmetic are not this one's
+            self.blocks.reset_prefix_cache()
+            self._cache_arith = arith
         out = self.scheduler.schedule()
         if not out.chunks:
             return 0
+        jobs = [self._by_seq.get(c.seq.seq_id) for c in out.chunks]
+        if self.drafter is not None:
+            self.drafter.add(self.scheduler, out, jobs, self.n_ctx,
+                             self.config.max_num_batched_tokens - out.num_tokens)
+            out.copies += self.blocks.take_copies()
         with self.step_lock:
             logits = self.runner.run(out.chunks, out.copies)
+        if self.drafter is not None:
+            self.drafter.observe_step(self.runner.decode_rows, self.runner.decode_seconds)
         self.num_steps += 1
         self.max_sequences = max(self.max_sequences, len(out.chunks))
-        sampled = 0
-        for chunk, row in zip(out.chunks, logits):
-            job = self._by_seq.get(chunk.seq.seq_id)
-            token = None
-            if row is not None and job is not None and not job.done:
-                token = job.sampler.sample(row, chunk.seq.token_ids)
-            self.scheduler.update(chunk, token)
-            if token is not None:
-                sampled += 1
-                self._emit_token(job, token)
+        num_sampled = 0
+        for chunk, job, rows, hidden in zip(out.chunks, jobs, logits, self.runner.hidden):
+            sampled = [] if rows is None or job is None or job.done else self._sample(job, chunk, rows)
+            before, finish = chunk.seq.num_tokens, None
+            for i, token in enumerate(sampled):
+                job.hidden = hidden[i] if hidden is not None else None
+                finish = self._emit_token(job, token, before + i + 1, rows[i])
+                if finish is not None:  # what the answer does not use is neither kept nor cached
+                    del sampled[i + 1:]
+                    break
+            self.scheduler.update(chunk, sampled)
+            if job is None or not sampled:
+                continue
+            if job.drafts is not None and chunk.end - chunk.start == 1:
+                job.drafts.observe(len(chunk.drafts), len(sampled) - 1)
+            self.num_verifications += bool(chunk.drafts)
+            self.num_proposed += len(chunk.drafts)
+            self.num_accepted += len(sampled) - 1
+            num_sampled += len(sampled)
+            if finish is not None:
+                self._finish(job, finish)
         now = time.perf_counter()
-        self.tokens_generated += sampled
-        self._recent.append((now, sampled))
+        self.tokens_generated += num_sampled
+        self._recent.append((now, num_sampled))
         while self._recent and now - self._recent[0][0] > 10.0:
             self._recent.popleft()
         return out.num_tokens
 
-    def _lone_job(self) -> Job | None:
-        """The job to draft for this step: the only one running, nothing waiting, past its first token."""
-        running = self.scheduler.running
-        if self.draft == "none" or len(running) != 1 or self.scheduler.waiting or self.model.fused is None:
-            return None
-        job = self._by_seq.get(running[0].seq_id)
-        if job is None or job.done or job.seq.held or not job.generated:
-            return None
-        entered = job.drafting is not None and job.drafting.logits is not None
-        if not entered and job.seq.num_computed != job.seq.num_tokens - 1:
-            return None  # its prompt (or, after a preemption, its recompute) is not all computed yet
-        return job
+    @staticmethod
+    def _sample(job: Job, chunk, rows: torch.Tensor) -> list[int]:
+        """The chunk's next tokens: one from each row while the token drawn equals the draft that row followed
+        (exactly the draws of plain decoding, which would have computed that row next)."""
+        history, sampled = chunk.seq.token_ids, []
+        for i in range(len(chunk.drafts) + 1):
+            sampled.append(job.completion.sample(rows[i], history + sampled if sampled else history))
+            if i == len(chunk.drafts) or sampled[-1] != chunk.drafts[i]:
+                break
+        return sampled
 
-    def _draft_step(self, job: Job) -> int:
-        from edge_runtime.engine.drafting import LoneDrafting, NoRoom
-
-        if job.drafting is None:
-            job.drafting = LoneDrafting(self, job)
-        before = len(job.generated)
-        try:
-            rows = job.drafting.run(job, self._emit_token)
-        except NoRoom:
-            job.drafting.leave(job)
-            return 0
-        self.num_steps += 1
-        self.max_sequences = max(self.max_sequences, 1)
-        sampled = len(job.generated) - before
-        self.tokens_generated += sampled
-        self._recent.append((time.perf_counter(), sampled))
-        return rows
-
-    def _emit_token(self, job: Job, token: int) -> None:
+    def _emit_token(self, job: Job, token: int, context_len: int, row: torch.Tensor) -> str | None:
+        """Send the token's delta, if it makes one; returns the finish reason when the answer ends with it."""
         if job.t_first is None:
             job.t_first = time.perf_counter()
-        if token in self.eog_ids and not job.request.params.ignore_eos:
-            return self._finish(job, "stop")  # the end-of-turn token is not part of the answer
-        job.generated.append(token)
-        text, hit = job.stops.push(job.detok.push(token))
-        if text or not hit:
-            self._delta(job, text, [token])
-        if hit:
-            return self._finish(job, "stop", flush=False)
-        if len(job.generated) >= job.request.params.max_tokens or job.seq.num_tokens >= self.n_ctx:
-            self._finish(job, "length")
+        text, finish = job.completion.push(token, context_len)
+        if text is not None:
+            info = {}
+            if job.request.confidence:
+                info = confidence(row)
+                if job.next_seq == 0 and job.hidden is not None:
+                    info["hidden"] = job.hidden  # the first token's: the prompt's final hidden state
+            self._delta(job, text, [token], info)
+        return finish
 
-    def _delta(self, job: Job, text: str, token_ids: list[int]) -> None:
-        job.sink(StreamEvent("delta", seq=job.next_seq, text=text, token_ids=token_ids, source=self.source))
+    def _delta(self, job: Job, text: str, token_ids: list[int], info: dict | None = None) -> None:
+        job.sink(StreamEvent("delta", seq=job.next_seq, text=text, token_ids=token_ids, source=self.source,
+                             info=info or {}))
         job.next_seq += 1
 
-    def _finish(self, job: Job, reason: str, flush: bool = True) -> None:
-        if flush:
-            tail, _ = job.stops.push(job.detok.flush())
-            tail += job.stops.flush()
-            if tail and reason != "cancelled":
-                self._delta(job, tail, [])
+    def _finish(self, job: Job, reason: str) -> None:
+        tail = job.completion.tail() if reason != "cancelled" else ""
+        if tail:
+            self._delta(job, tail, [])
         job.done = True
-        if job.drafting is not None:  # its draft figures stay in the engine's totals
-            s = job.drafting.spec
-            self._draft_done = (self._draft_done[0] + s.verify_steps, self._draft_done[1] + s.proposed,
-                                self._draft_done[2] + s.accepted)
-            job.drafting = None
         self.scheduler.finish(job.seq)
         del self.jobs[job.id], self._by_seq[job.seq.seq_id]
         now = time.perf_counter()
         first = job.t_first or now
         info = {"ttft_ms": (first - job.t_submit) * 1000.0, "total_s": now - job.t_submit,
                 "preemptions": job.seq.num_preemptions, "cached_prompt_tokens": job.seq.num_cached_tokens}
+        if job.drafts is not None:
+            info["draft"] = job.drafts.stats(self.draft)
         job.sink(StreamEvent("finish", seq=job.next_seq, finish_reason=reason, source=self.source, info=info,
-                             usage=Usage(job.seq.num_prompt_tokens, len(job.generated))))
+                             usage=Usage(job.seq.num_prompt_tokens, len(job.completion.generated))))
 
     # --- views -----------------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -314,15 +324,12 @@ class BatchEngine:
         span = (now - self._recent[0][0]) if self._recent else 0.0
         return {**self.scheduler.stats(), "num_steps": self.num_steps, "tokens_generated": self.tokens_generated,
                 "tokens_per_s": sum(window) / span if span > 0 else 0.0, "num_jobs": len(self.jobs),
-                "max_sequences": self.max_sequences, "draft": self.draft_stats()}
+                "max_sequences": self.max_sequences, "max_batch": self.config.max_num_seqs,
+                "draft": self.draft_stats()}
 
     def draft_stats(self) -> dict:
-        v, p, a = self._draft_done
-        for job in self.jobs.values():
-            if job.drafting is not None:
-                s = job.drafting.spec
-                v, p, a = v + s.verify_steps, p + s.proposed, a + s.accepted
-        return {"method": self.draft, "verifications": v, "proposed": p, "accepted": a}
+        return {"method": self.draft, "verifications": self.num_verifications, "proposed": self.num_proposed,
+                "accepted": self.num_accepted}
 
 
 def load_engine(model: str = "default", n_ctx: int = 4096, threads: int | None = None, quant: str = "auto",

@@ -1,8 +1,10 @@
 """The model runner of continuous batching: one scheduler step's chunks through the model.
 
-A step holds decode tokens (one per running sequence) and prefill chunks.
-The decode tokens of up to `decode_group` sequences run as one batched step
-over their own block tables: on CPU with the GGUF kernels, one C call for all
+A step holds decode tokens (one per running sequence, each followed by its
+drafts, if any) and prefill chunks. Up to `decode_group` decode rows run as one
+batched step over their sequences' block tables (a sequence's drafts are rows
+at the next positions of the same table, so they attend to the rows before
+them, exactly as if decoded one by one): on CPU with the GGUF kernels, one C call for all
 layers (`FusedDecoder.step_batch`, whose GEMVs and attention compute every row
 exactly as a one-token step does); elsewhere (CUDA, torch's int4 kernels) the
 torch step with batched projections and `paged_decode_attention`. Each prefill
@@ -14,6 +16,8 @@ batched with, because every kernel a row passes through computes it on its
 own, and prefill chunk boundaries are fixed by the scheduler.
 """
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -35,14 +39,19 @@ class BatchRunner:
         # prefill chunks up to this many tokens (in total) share one pass; the GGUF layers compute up
         # to 64 rows as row-by-row GEMVs, so packing them changes no row's result
         self.varlen_max_tokens = 64
+        self.hidden: list[torch.Tensor | None] = []  # per chunk of the last run: what the head read [rows, dim]
+        self.decode_rows = self.decode_seconds = 0  # of the last run: its decode calls' rows and time
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk], copies=()) -> list[torch.Tensor | None]:
-        """Logits fp32 [vocab] (on CPU) for each chunk that samples, None for the others."""
+        """For each chunk that samples, logits fp32 [rows, vocab] (on CPU): its last position's, then one
+        row after each draft; None for the others. `hidden` then holds the final-normed hidden states of
+        the same rows."""
         model = self.model
         if copies:
             model.kv.copy_blocks(copies)
         out: list[torch.Tensor | None] = [None] * len(chunks)
+        self.hidden = [None] * len(chunks)
         decodes = [i for i, c in enumerate(chunks) if c.end - c.start == 1]
         small: list[int] = []  # prefill chunks packed into one variable-length forward
         for i, c in enumerate(chunks):
@@ -51,7 +60,8 @@ class BatchRunner:
                 ids = torch.tensor(c.token_ids, dtype=torch.long, device=model.device)
                 logits = model(ids, c.start, block_table=c.block_table)
                 if c.samples:
-                    out[i] = logits[-1].float().cpu()
+                    out[i] = logits[-1:].float().cpu()
+                    self.hidden[i] = model.last_hidden.float().cpu().reshape(1, -1).clone()
             elif n > 1:
                 if sum(chunks[j].end - chunks[j].start for j in small) + n > self.varlen_max_tokens:
                     self._varlen(chunks, small, out)
@@ -59,13 +69,35 @@ class BatchRunner:
                 small.append(i)
         if small:
             self._varlen(chunks, small, out)
-        for g in range(0, len(decodes), self.decode_group):
-            group = decodes[g:g + self.decode_group]
-            logits = self.decode([chunks[i].token_ids[0] for i in group], [chunks[i].start for i in group],
-                                 [chunks[i].block_table for i in group])
-            for row, i in enumerate(group):
-                out[i] = logits[row].float().cpu()
+        self.decode_rows, self.decode_seconds = 0, 0.0
+        for group in self._groups(chunks, decodes):
+            ids = [t for i in group for t in chunks[i].token_ids]
+            positions = [p for i in group for p in range(chunks[i].start, chunks[i].start + chunks[i].num_rows)]
+            tables = [chunks[i].block_table for i in group for _ in range(chunks[i].num_rows)]
+            t0 = time.perf_counter()
+            logits = self.decode(ids, positions, tables)
+            self.decode_seconds += time.perf_counter() - t0
+            self.decode_rows += len(ids)
+            hidden = model.fused.batch_hidden if model.fused is not None else self._torch_hidden
+            row = 0
+            for i in group:
+                n = chunks[i].num_rows
+                out[i], self.hidden[i] = logits[row:row + n].float().cpu(), hidden[row:row + n].float().cpu()
+                row += n
         return out
+
+    def _groups(self, chunks: list[ScheduledChunk], decodes: list[int]) -> list[list[int]]:
+        """Decode chunks packed in order into calls of at most `decode_group` rows (a chunk and its drafts
+        stay in one call)."""
+        groups, rows = [[]], 0
+        for i in decodes:
+            n = chunks[i].num_rows
+            if groups[-1] and rows + n > self.decode_group:
+                groups.append([])
+                rows = 0
+            groups[-1].append(i)
+            rows += n
+        return [g for g in groups if g]
 
     def _varlen(self, chunks: list[ScheduledChunk], which: list[int], out: list) -> None:
         """Prefill chunks of several sequences in one pass: their rows share every projection (row by
@@ -90,9 +122,10 @@ class BatchRunner:
             x = block.out_mlp(x, attn)
         last = [b - 1 for i, b in zip(which, bounds[1:]) if chunks[i].samples]
         if last:
-            logits = model.output(rms_norm(x[last], model.norm, model.cfg.norm_eps)).float().cpu()
+            normed = rms_norm(x[last], model.norm, model.cfg.norm_eps)
+            logits = model.output(normed).float().cpu()
             for row, i in enumerate(i for i in which if chunks[i].samples):
-                out[i] = logits[row]
+                out[i], self.hidden[i] = logits[row:row + 1], normed[row:row + 1].float().cpu()
 
     def decode(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor:
         """One token of each sequence -> logits [M, vocab]."""
@@ -116,4 +149,5 @@ class BatchRunner:
             q, k, v = block.qkv_rope(x, cos, sin)
             kv.write(layer, slots, k, v)
             x = block.out_mlp(x, paged_decode_attention(q, kv, layer, tables, pos + 1, block.scale))
-        return model.output(rms_norm(x, model.norm, model.cfg.norm_eps)).float()
+        self._torch_hidden = normed = rms_norm(x, model.norm, model.cfg.norm_eps)
+        return model.output(normed).float()

@@ -1,95 +1,115 @@
-"""Drafting inside the batch engine: speculative decoding for a sequence that runs alone.
+"""Speculative decoding inside the batch engine: drafts as extra rows of the step.
 
-When the engine's batch holds one sequence and nothing waits, a step verifies that
-sequence's n-gram drafts instead of decoding one token: the same `Speculator` the
-single-stream loop uses, driven over the sequence's own blocks (`SequenceRunner`), each
-verification through the fused decoder's `step_chunk`, whose rows are bit for bit
-one-token steps. So greedy output is unchanged, and so is a seeded sample: the n-gram
-drafter is deterministic, and the sampler then draws exactly as plain decoding does
-(sampler.py). As soon as a second sequence runs or waits, drafting stops (`leave`): the
-sequence's drafts and its last token leave the cache and it rejoins the batch as a plain
-decode, which recomputes that token with the same bits. The draft length adapts as in
-the single-stream loop (`DraftLength`: measured acceptance and cost, down to plain steps
-when drafting does not pay). Only one sequence at a time drafts: with two or more, the
-step's rows are already shared and a verification's extra rows would compete with them.
+After the scheduler picks a step, `StepDrafter.add` gives decode chunks drafts: each job's
+proposer (n-gram prompt lookup, one index per job; or the shared MTP heads, which read the
+hidden state that chose the job's last token) offers up to 7 tokens, `DraftPlanner` decides how
+many of them each sequence carries so the step's expected tokens per second is highest, and the
+scheduler puts them in lookahead slots. The runner computes them as rows after their sequence's
+decode token (every row exactly a one-token step: `decode_layers_batch` stores every row's K/V
+before any row attends, and row p attends over positions 0..p only). The engine then samples
+row by row, each token exactly as plain decoding would (the same sampler, history and random
+draws), while the sampled token equals the next draft; the scheduler truncates the rest. So
+greedy output is unchanged bit for bit and a seeded sample draws the same tokens (sampler.py:
+for a deterministic drafter, drawing and comparing is the rejection test).
+
+It knows nothing about requests, text or the model's arithmetic.
 """
 from __future__ import annotations
 
-from edge_runtime.spec.speculative import NgramProposer, Speculator
+from dataclasses import dataclass, field
 
-DRAFTS = ("none", "ngram")
+from edge_runtime.spec.draft_planner import Acceptance, DraftPlanner
+from edge_runtime.spec.speculative import NgramProposer
 
-
-class NoRoom(Exception):
-    """The KV cache has no block for the drafts: the step decodes plainly instead."""
-
-
-class SequenceRunner:
-    """The runner protocol `Speculator` drives (step, verify, keep, n_ctx), over one engine sequence."""
-
-    def __init__(self, engine, job):
-        self.engine, self.job = engine, job
-
-    @property
-    def n_ctx(self) -> int:
-        return self.engine.n_ctx
-
-    def verify(self, token_ids: list[int]):
-        """Logits fp32 [T, vocab] of the sequence's next token (token_ids[0], sampled and not yet computed)
-        and drafts after it; they stay provisional until `keep`."""
-        seq, blocks = self.job.seq, self.engine.blocks
-        pos0 = seq.num_computed
-        assert pos0 == seq.num_tokens - 1 and token_ids[0] == seq.token_ids[-1], (pos0, seq.num_tokens)
-        if not blocks.append(seq.seq_id, seq.token_ids[blocks.num_tokens(seq.seq_id):] + list(token_ids[1:])):
-            blocks.truncate(seq.seq_id, pos0)
-            raise NoRoom
-        with self.engine.step_lock:
-            out = self.engine.model.fused.step_chunk(list(token_ids), pos0, blocks.block_table(seq.seq_id))
-        seq.num_computed = pos0 + len(token_ids)
-        return out
-
-    def step(self, token_id: int):
-        return self.verify([token_id])[0]
-
-    def keep(self, num_tokens: int) -> None:
-        """The first `num_tokens` tokens are the sequence's (prompt and accepted): the rest leave the cache."""
-        seq, blocks = self.job.seq, self.engine.blocks
-        blocks.truncate(seq.seq_id, num_tokens)
-        blocks.commit(seq.seq_id, num_tokens)  # evaluated and accepted: cacheable
-        seq.num_computed = num_tokens
+DRAFTS = ("none", "ngram", "mtp")
+MAX_DRAFTS = 7
 
 
-class LoneDrafting:
-    """One job's drafting state: its Speculator and the logits of its next position, once computed."""
+@dataclass(eq=False)
+class JobDrafts:
+    """One job's drafting state: its proposer, acceptance estimate and counters."""
+    proposer: object
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    steps: int = 0  # decode steps it took part in
+    verify_steps: int = 0  # of which carried drafts
+    proposed: int = 0
+    accepted: int = 0
+    pos_proposed: list[int] = field(default_factory=lambda: [0] * 8)
+    pos_accepted: list[int] = field(default_factory=lambda: [0] * 8)
 
-    def __init__(self, engine, job):
-        self.runner = SequenceRunner(engine, job)
-        self.spec = Speculator(self.runner, NgramProposer())
-        self.logits = None  # after the job's last token, when that token's K/V are in (drafting under way)
+    def observe(self, proposed: int, accepted: int) -> None:
+        self.steps += 1
+        if not proposed:
+            return
+        self.acceptance.observe(proposed, accepted)
+        self.verify_steps += 1
+        self.proposed += proposed
+        self.accepted += accepted
+        for i in range(proposed):
+            self.pos_proposed[i] += 1
+            self.pos_accepted[i] += i < accepted
 
-    def run(self, job, emit) -> int:
-        """One engine step for a job running alone: compute once (a verification or a plain step) and emit
-        what it decides. Returns the rows computed (0: nothing could be computed, NoRoom raised through)."""
-        seq, params = job.seq, job.request.params
-        rows_before = self.spec.proposed + self.spec.steps
-        if self.logits is None:  # entering: the last sampled token is not computed yet
-            self.logits = self.spec.next_logits(seq.token_ids[-1], seq.token_ids, params.max_tokens - len(job.generated))
-            return self.spec.proposed + self.spec.steps - rows_before
-        while True:
-            token = job.sampler.sample(self.logits, seq.token_ids, draft=self.spec.draft())
-            seq.token_ids.append(token)
-            emit(job, token)
-            if job.done:
-                return self.spec.proposed + self.spec.steps - rows_before
-            steps = self.spec.steps
-            self.logits = self.spec.next_logits(token, seq.token_ids, params.max_tokens - len(job.generated))
-            if self.spec.steps != steps:  # it computed: one computation per engine step
-                return self.spec.proposed + self.spec.steps - rows_before
+    def stats(self, method: str) -> dict:
+        per_pos = [a / p for a, p in zip(self.pos_accepted, self.pos_proposed) if p]
+        return {"drafter": method, "steps": self.steps, "verify_steps": self.verify_steps,
+                "proposed": self.proposed, "accepted": self.accepted,
+                "mean_accepted": self.accepted / self.verify_steps + 1.0 if self.verify_steps else 0.0,
+                "acceptance_per_position": per_pos, "alpha": self.acceptance.alpha,
+                "pos_proposed": list(self.pos_proposed), "pos_accepted": list(self.pos_accepted)}
 
-    def leave(self, job) -> None:
-        """Back to plain batched decoding: keep every token but the last sampled one, whose K/V (and every
-        draft's) leave the cache; the batch computes it next, with the same bits."""
-        if self.logits is not None or self.spec.queue:
-            self.runner.keep(job.seq.num_tokens - 1)
-        self.logits, self.spec.queue = None, []
-        self.spec._close_verification()
+
+class StepDrafter:
+    def __init__(self, method: str, max_rows: int, mtp=None, fixed_k: int | None = None):
+        """method: "ngram" or "mtp" (with `mtp`, an MtpDrafter); fixed_k: always that many drafts when
+        the proposer has them (for measuring acceptance at a given k), else the planner decides."""
+        if method not in DRAFTS[1:]:
+            raise ValueError(f"the batch engine drafts with {' or '.join(DRAFTS)}, not {method!r}")
+        if method == "mtp" and mtp is None:
+            raise ValueError("MTP drafting needs the MTP heads")
+        self.method, self.mtp, self.fixed_k = method, mtp, fixed_k
+        self.planner = DraftPlanner(max_rows, k_max=min(MAX_DRAFTS, max_rows - 1))
+
+    def new_job(self) -> JobDrafts:
+        return JobDrafts(NgramProposer() if self.method == "ngram" else self.mtp)
+
+    def _propose(self, job, k: int) -> list[int]:
+        if self.method == "ngram":
+            return job.drafts.proposer.propose(job.seq.token_ids, k)[:k]
+        return self.mtp.propose(job.seq.token_ids, k, job.hidden)[:k] if job.hidden is not None else []
+
+    def add(self, scheduler, out, jobs: list, n_ctx: int, budget: int) -> None:
+        """Give the step's decode chunks drafts. jobs[i]: the job of out.chunks[i] (None when gone);
+        budget: rows the step may still add."""
+        decodes = [(c, j) for c, j in zip(out.chunks, jobs)
+                   if j is not None and not j.done and c.samples and c.end - c.start == 1]
+        cands, limits = [], []
+        for chunk, job in decodes:
+            # drafts past the answer's budget or the context would never be used
+            room = min(job.completion.room - 1, n_ctx - chunk.seq.num_tokens - 1, self.planner.k_max)
+            if room < 1:
+                continue
+            if self.method == "ngram":  # free to ask: plan with what it offers
+                offer = self._propose(job, room)
+                if offer:
+                    cands.append((chunk, job, offer))
+                    limits.append(len(offer))
+            else:  # the heads cost a step each: plan first, then ask for that many
+                cands.append((chunk, job, None))
+                limits.append(room)
+        if not cands:
+            return
+        if self.fixed_k:
+            ks = [min(self.fixed_k, limit) for limit in limits]
+        else:
+            ks = self.planner.plan([job.drafts.acceptance for _, job, _ in cands], limits,
+                                   other_rows=len(decodes) - len(cands))
+        for (chunk, job, offer), k in zip(cands, ks):
+            if k <= 0 or budget <= 0:
+                continue
+            drafts = (offer if offer is not None else self._propose(job, k))[:min(k, budget)]
+            if scheduler.add_drafts(chunk, drafts):
+                budget -= len(drafts)
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        if rows:
+            self.planner.cost.observe(rows, seconds)

@@ -21,6 +21,9 @@ that finishes leaves at once and its slot goes to the next waiting one.
   that starts with cached full blocks only computes the rest.
 - Held sequences (a client not reading its stream) keep their blocks but are
   not scheduled until released.
+- Drafts: after `schedule()`, a decode chunk may carry draft tokens (`add_drafts`)
+  in lookahead slots; `update()` keeps the accepted ones and truncates the rest, so
+  only verified tokens are ever committed to the prefix cache.
 
 Pure Python: no torch, no model. The engine calls `schedule()`, runs the chunks,
 then `update()` with what was computed and sampled.
@@ -64,11 +67,13 @@ class Sequence:
 
 @dataclass(slots=True)
 class ScheduledChunk:
-    """Compute tokens [start, end) of `seq`; when `end` is its length, sample the next token."""
+    """Compute tokens [start, end) of `seq`, then its `drafts` (positions end, end + 1, ...); when `end`
+    is its length, sample the next token (and one more after each accepted draft)."""
     seq: Sequence
     start: int
     end: int
     block_table: list[int]
+    drafts: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
@@ -76,7 +81,12 @@ class ScheduledChunk:
 
     @property
     def token_ids(self) -> list[int]:
-        return self.seq.token_ids[self.start:self.end]
+        """What the step computes: the sequence's tokens [start, end), then the drafts."""
+        return self.seq.token_ids[self.start:self.end] + self.drafts
+
+    @property
+    def num_rows(self) -> int:
+        return self.end - self.start + len(self.drafts)
 
 
 @dataclass
@@ -87,7 +97,7 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(c.end - c.start for c in self.chunks)
+        return sum(c.num_rows for c in self.chunks)
 
 
 @dataclass(slots=True)
@@ -210,16 +220,31 @@ class Scheduler:
         out.copies = self.blocks.take_copies()
         return out
 
-    def update(self, chunk: ScheduledChunk, new_token: int | None) -> None:
-        """After the step: `chunk` was computed (its K/V are in the cache), and `new_token` sampled
-        when it ended the sequence's known tokens. The engine finishes the sequence separately."""
+    def add_drafts(self, chunk: ScheduledChunk, drafts: list[int]) -> bool:
+        """Give a decode chunk draft tokens to verify in this step, in lookahead slots after its token;
+        False (and no drafts) when the cache has no room for them: drafts never preempt anyone."""
+        assert chunk.samples and chunk.end - chunk.start == 1 and not chunk.drafts, "drafts ride on a decode"
+        if not drafts or not self.blocks.append(chunk.seq.seq_id, drafts):
+            return False
+        chunk.drafts = list(drafts)
+        chunk.block_table = self.blocks.block_table(chunk.seq.seq_id)
+        return True
+
+    def update(self, chunk: ScheduledChunk, sampled: list[int]) -> None:
+        """After the step: `chunk` was computed (its K/V are in the cache) and `sampled` drawn, in order,
+        when it ended the sequence's known tokens: with drafts, one token per accepted draft (equal to
+        it) and one after the last accepted. The rejected drafts' slots are truncated; what stays is
+        verified and committed (cacheable). The engine finishes the sequence separately."""
         seq = chunk.seq
         if seq.status is not Status.RUNNING:
             return  # finished or preempted meanwhile
-        seq.num_computed = chunk.end
-        self.blocks.commit(seq.seq_id, chunk.end)  # evaluated tokens are verified: cacheable
-        if new_token is not None:
-            seq.token_ids.append(new_token)
+        accepted = max(0, len(sampled) - 1) if chunk.drafts else 0
+        assert sampled[:accepted] == chunk.drafts[:accepted], "accepted drafts are the tokens sampled"
+        seq.num_computed = chunk.end + accepted
+        if chunk.drafts:
+            self.blocks.truncate(seq.seq_id, seq.num_computed)
+        self.blocks.commit(seq.seq_id, seq.num_computed)  # evaluated and accepted tokens: cacheable
+        seq.token_ids.extend(sampled)
 
     # --- views ---------------------------------------------------------------------------------------
 

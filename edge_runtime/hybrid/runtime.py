@@ -39,7 +39,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import AsyncIterator, Callable
 
-from edge_runtime.engine.generator import build_prompt
+from edge_runtime.engine.completion import build_prompt, prompt_token_ids
 from edge_runtime.request import GenerationRequest, GenerationResult, StreamEvent, Usage
 from edge_runtime.hybrid.router import RouteDecision, Router, kv_bytes_per_token
 
@@ -90,9 +90,15 @@ class HybridRuntime:
         self.hand_back, self.probe_interval, self.max_handbacks = hand_back, probe_interval, max_handbacks
 
     def prompt_tokens(self, request: GenerationRequest) -> int | None:
+        """The prompt's size in the device's tokens, tokenized once per request (the ids stay on it for the
+        engine); None for a backend without a tokenizer (the size rule is skipped)."""
         try:
-            return len(self.local.tokenize(build_prompt(request, self.local.template)))
-        except Exception:  # a backend without a tokenizer: the size rule is skipped
+            if request.prefix:
+                return len(self.local.tokenize(build_prompt(request, self.local.template)))
+            runner = getattr(self.local, "runner", self.local)
+            return len(prompt_token_ids(runner, request, self.local.template,
+                                        getattr(self.local, "tokenizer_fingerprint", "")))
+        except Exception:
             return None
 
     def decide(self, request: GenerationRequest) -> RouteDecision:

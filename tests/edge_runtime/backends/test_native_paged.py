@@ -38,18 +38,12 @@ def test_logits_after_prefix_hit_equal_cold_run(fp32_kv, prose):
 
 
 def test_shared_system_prompt_is_not_recomputed(fp32_kv):
-    runner = fp32_kv.runner
-    runner.reset()
+    fp32_kv.reset_prefix_cache()
     fp32_kv.generate(ask("When do you open on Sundays?"))
-    evaluated = []
-    orig = runner._run
-    runner._run = lambda ids, pos0, all_logits=False: (evaluated.append(len(ids)), orig(ids, pos0, all_logits))[1]
-    try:
-        second = fp32_kv.generate(ask("How do I renew a book?"))
-    finally:
-        runner._run = orig
-    assert evaluated[0] < 40 < second.usage.prompt_tokens  # the ~170-token system prompt came from the cache
-    runner.reset()
+    second = fp32_kv.generate(ask("How do I renew a book?"))
+    # the ~170-token system prompt came from the cache
+    assert second.usage.prompt_tokens - second.timings["cached_prompt_tokens"] < 40 < second.usage.prompt_tokens
+    fp32_kv.reset_prefix_cache()
     assert fp32_kv.generate(ask("How do I renew a book?")).token_ids == second.token_ids
 
 

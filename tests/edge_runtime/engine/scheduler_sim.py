@@ -5,7 +5,8 @@ per slot: a chunk writes its tokens through its block table, and a chunk that sa
 positions [0, end) back and must see its own sequence's prefix, which catches a wrong prefix
 hit or a block lost to preemption. The sampled token is greedy and depends only on the
 tokens so far, so every request must end with `reference(prompt, max_new)` however it was
-batched, preempted or parked.
+batched, preempted or parked. With `drafter` (sequence -> draft tokens), decode chunks carry
+drafts: every row is computed, the accepted prefix kept, and the rest truncated, as the engine does.
 """
 import itertools
 
@@ -26,8 +27,22 @@ def reference(prompt, max_new):
     return token_ids
 
 
+def oracle_drafter(seq, num_drafts=3):
+    """Drafts for `seq`: its true next tokens, except one made wrong at a spot that moves with its length
+    (none when that spot is past the drafts), so steps see all, some and none of their drafts accepted."""
+    ids, out = list(seq.token_ids), []
+    for _ in range(num_drafts):
+        out.append(model(ids))
+        ids.append(out[-1])
+    wrong = len(seq.token_ids) % (num_drafts + 1)
+    if wrong < num_drafts:
+        out[wrong] = 999_999
+    return out
+
+
 class Sim:
-    def __init__(self, num_blocks, **config):
+    def __init__(self, num_blocks, drafter=None, **config):
+        self.drafter = drafter
         self.blocks = BlockManager(num_blocks, block_size=BS)
         self.config = SchedulerConfig(**config)
         self.sched = Scheduler(self.blocks, self.config)
@@ -48,20 +63,32 @@ class Sim:
         waiting = set(self.sched.waiting)
         out = self.sched.schedule()
         self.check(out, held, waiting)
+        if self.drafter is not None:
+            for chunk in out.chunks:
+                if chunk.samples and chunk.end - chunk.start == 1:
+                    left = self.max_new[chunk.seq.seq_id] - (chunk.seq.num_tokens - chunk.seq.num_prompt_tokens)
+                    self.sched.add_drafts(chunk, self.drafter(chunk.seq)[:max(0, left - 1)])
+            assert not self.blocks.take_copies(), "drafts go into private blocks"
         self.log.append([(c.seq, c.start, c.end, c.samples) for c in out.chunks])
         for copy in out.copies:
             self.kv[copy.dst * BS:(copy.dst + 1) * BS] = self.kv[copy.src * BS:(copy.src + 1) * BS]
         for chunk in out.chunks:
             seq, table = chunk.seq, chunk.block_table
-            slots = [table[p // BS] * BS + p % BS for p in range(chunk.end)]
-            for p in range(chunk.start, chunk.end):
-                self.kv[slots[p]] = seq.token_ids[p]
-            token = None
+            rows = chunk.token_ids
+            slots = [table[p // BS] * BS + p % BS for p in range(chunk.start + len(rows))]
+            for p, t in zip(range(chunk.start, chunk.start + len(rows)), rows):
+                self.kv[slots[p]] = t
+            sampled = []
             if chunk.samples:
-                seen = [self.kv[s] for s in slots]
-                assert seen == seq.token_ids[:chunk.end], f"seq {seq.seq_id} reads another prefix"
-                token = model(seen)
-            self.sched.update(chunk, token)
+                for i in range(len(chunk.drafts) + 1):
+                    seen = [self.kv[s] for s in slots[:chunk.end + i]]
+                    assert seen == seq.token_ids[:chunk.end] + chunk.drafts[:i], f"seq {seq.seq_id} reads another prefix"
+                    sampled.append(model(seen))
+                    if i == len(chunk.drafts) or sampled[-1] != chunk.drafts[i]:
+                        break
+            self.sched.update(chunk, sampled)
+            if chunk.drafts and seq.status is Status.RUNNING:
+                assert self.blocks.num_tokens(seq.seq_id) == seq.num_computed == seq.num_tokens - 1
             if seq.status is Status.RUNNING and seq.num_tokens - seq.num_prompt_tokens >= self.max_new[seq.seq_id]:
                 self.sched.finish(seq)
                 self.done.append(seq)

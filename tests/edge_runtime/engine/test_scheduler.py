@@ -3,7 +3,7 @@ import pytest
 
 from edge_runtime.engine.block_manager import BlockManager
 from edge_runtime.engine.scheduler import BATCH, INTERACTIVE, Scheduler, SchedulerConfig, Status
-from tests.edge_runtime.engine.scheduler_sim import BS, Sim, reference
+from tests.edge_runtime.engine.scheduler_sim import BS, Sim, oracle_drafter, reference
 
 
 # ---- admission, decodes, budget ----------------------------------------------------------
@@ -202,7 +202,7 @@ def test_finish_frees_blocks_at_once_whether_waiting_running_or_held():
         assert sim.blocks.stats()["num_used_blocks"] == used - num_blocks
         sim.blocks.check_invariants()
     tokens = list(running.token_ids)
-    sim.sched.update(out.chunks[0], 7)  # the step ran before the finish: ignored
+    sim.sched.update(out.chunks[0], [7])  # the step ran before the finish: ignored
     assert running.token_ids == tokens and not sim.sched.has_work
     assert sim.sched.running == sim.sched.waiting == [] and sim.blocks.stats()["num_used_blocks"] == 0
 
@@ -266,3 +266,20 @@ def test_admission_that_waits_for_budget_leaves_the_prefix_cache_alone():
     assert [c.seq for c in out.chunks] == [r] and sim.sched.waiting == [w]
     after = sim.blocks.stats()
     assert [after[k] - before[k] for k in ("num_cached_blocks", "num_query_tokens")] == [0, 0]
+
+
+def test_drafts_ride_on_decodes_and_only_accepted_ones_stay():
+    """Decode chunks carry drafts in lookahead slots; each step keeps the accepted prefix (all, some or
+    none, by oracle_drafter's moving wrong spot), truncates the rest, and the answers stay the reference's."""
+    sim = Sim(64, drafter=oracle_drafter, max_num_seqs=4, chunk_size=32, max_num_batched_tokens=64)
+    prompts = [list(range(100 * i, 100 * i + 20 + 7 * i)) for i in range(3)]
+    seqs = [sim.add(p, max_new=40) for p in prompts]
+    accepted_per_step = []
+    while sim.sched.has_work:
+        before = {s.seq_id: s.num_tokens for s in seqs}
+        out = sim.step()
+        accepted_per_step += [c.seq.num_tokens - before[c.seq.seq_id] - 1 for c in out.chunks if c.drafts]
+        sim.blocks.check_invariants()
+    assert [s.token_ids for s in seqs] == [reference(p, 40) for p in prompts]
+    assert {0, 1, 2, 3} <= set(accepted_per_step)  # none, some and all of 3 drafts were accepted
+    assert sim.blocks.stats()["num_used_blocks"] == 0

@@ -2,7 +2,7 @@
 from hypothesis import given, settings, strategies as st
 
 from edge_runtime.engine.scheduler import BATCH, INTERACTIVE, Status
-from tests.edge_runtime.engine.scheduler_sim import BS, Sim, reference
+from tests.edge_runtime.engine.scheduler_sim import BS, Sim, oracle_drafter, reference
 
 
 # ---- random workload -------------------------------------------------------------------------
@@ -18,12 +18,12 @@ OPS = st.lists(st.one_of(
 
 @settings(max_examples=50, deadline=None)
 @given(ops=OPS, chunk_blocks=st.sampled_from([1, 2, 4]), max_num_seqs=st.integers(1, 8),
-       extra_budget=st.integers(0, 48), spare_blocks=st.integers(0, 4))
-def test_random_workload(ops, chunk_blocks, max_num_seqs, extra_budget, spare_blocks):
+       extra_budget=st.integers(0, 48), spare_blocks=st.integers(0, 4), drafts=st.booleans())
+def test_random_workload(ops, chunk_blocks, max_num_seqs, extra_budget, spare_blocks, drafts):
     chunk_size = chunk_blocks * BS
     # tight, but every request fits the pool alone (prompt + max_new tokens)
     need = max([-(-(op[1] + op[3]) // BS) for op in ops if op[0] == "add"], default=1)
-    sim = Sim(need + spare_blocks, max_num_seqs=max_num_seqs, chunk_size=chunk_size,
+    sim = Sim(need + spare_blocks, drafter=oracle_drafter if drafts else None, max_num_seqs=max_num_seqs, chunk_size=chunk_size,
               max_num_batched_tokens=chunk_size + max_num_seqs + extra_budget)
     live, parked, expected = [], [], {}
     for op in ops:

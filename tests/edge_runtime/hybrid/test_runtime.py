@@ -121,3 +121,24 @@ def test_sigkill_of_the_worker_mid_answer_fails_over_to_the_device_20_times(nati
         assert local_text == expect.text and events[-1].finish_reason == expect.finish_reason, attempt
         assert events[-1].usage.completion_tokens <= MAX_TOKENS
         assert events[-1].info["usage_by_source"]["cloud"]["completion_tokens"] == used
+
+
+def test_a_local_request_is_rendered_and_tokenized_once(native_backend):
+    """The gateway's context check, the router's size rule and the engine use the same ids: the chat template
+    is rendered and the prompt tokenized once per request on the device."""
+    runtime = HybridRuntime(native_backend, None, offline=True)
+    tokenizer = native_backend.engine.tokenizer
+    assert tokenizer is native_backend.runner.tokenizer
+    calls = []
+    encode = tokenizer.encode
+    tokenizer.encode = lambda text, special=True: (calls.append(text), encode(text, special=special))[1]
+    try:
+        req = ask(max_tokens=8)
+        checked = runtime.prompt_tokens(req)  # what the gateway's context check asks first
+        events = asyncio.run(collect(runtime, req))
+    finally:
+        del tokenizer.encode
+    assert len(calls) == 1 and checked == len(req.prompt_token_ids)
+    assert events[-1].usage.prompt_tokens == checked and check_stream(events)
+    plain = native_backend.generate(ask(max_tokens=8))  # tokenized afresh: the same answer
+    assert "".join(d.text for d in check_stream(events)) == plain.text

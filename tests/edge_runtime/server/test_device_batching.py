@@ -1,6 +1,7 @@
 """Continuous batching on the device, through a real `edge-runtime serve` and the official `openai` client:
 concurrent requests share engine steps, each answer equal to the same request answered alone; a short request does not wait for a long answer; a client that leaves frees its
 KV blocks at once; --max-batch 1 keeps one request at a time."""
+import concurrent.futures
 import json
 import threading
 import time
@@ -99,8 +100,12 @@ def test_a_client_that_leaves_frees_its_kv_blocks(gw, client):
 def test_max_batch_one_keeps_one_request_at_a_time():
     g = Gateway("--max-batch", "1")
     try:
-        assert health(g)["local_engine"] is None and "one request at a time (native)" in g.banner
+        assert health(g)["local_engine"]["max_batch"] == 1 and "one request at a time (native)" in g.banner
         c = openai.OpenAI(base_url=g.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
-        assert ask(c, "What is the capital of France?", max_tokens=4).choices[0].message.content
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(lambda q: ask(c, q, max_tokens=4), ["What is the capital of France?",
+                                                                       "Name a colour.", "Say hello."]))
+        assert all(a.choices[0].message.content for a in answers)
+        assert health(g)["local_engine"]["max_sequences"] == 1  # no step ever carried two of them
     finally:
         g.stop()

@@ -18,7 +18,7 @@ PROMPTS = grounded_prompts(5) + [
 def greedy(backend, prompt, draft, max_tokens=128, k=None):
     # every run starts cold: a prefix-cache hit recomputes the prompt's tail through other kernels
     # (a separate, known difference of up to 1e-5 in the logits), and only drafting is under test here
-    backend.runner.reset()
+    backend.reset_prefix_cache()
     backend.set_draft(draft, k=k)
     try:
         req = GenerationRequest(messages=[{"role": "user", "content": prompt}],
@@ -26,6 +26,19 @@ def greedy(backend, prompt, draft, max_tokens=128, k=None):
         return backend.generate(req)
     finally:
         backend.set_draft("none")
+
+
+def check_cache_holds_only_the_answer(backend, res, question):
+    """No rejected draft reached the prefix cache: after one cold request, the cached blocks are exactly the
+    full blocks of its prompt and evaluated answer tokens (all but the last, and the last too when an
+    end-of-generation token came after it), and they hold those tokens."""
+    engine = backend.engine
+    n = res.usage.prompt_tokens
+    evaluated = len(res.token_ids) - 1 + (res.finish_reason == "stop")
+    full = (n + evaluated) // engine.blocks.block_size
+    assert engine.blocks.stats()["num_cached_blocks"] == full
+    prompt = engine.tokenizer.encode(backend.template.render([{"role": "user", "content": question}], add_generation_prompt=True), special=True)
+    assert len(prompt) == n and engine.blocks.num_cached_prefix(prompt + res.token_ids) == full * engine.blocks.block_size
 
 
 def check_lossless(backend, draft, prompts, max_tokens, plain=None):
@@ -40,11 +53,7 @@ def check_lossless(backend, draft, prompts, max_tokens, plain=None):
         assert spec.text == plain[p].text
         d = spec.timings["draft"]
         proposed, accepted = proposed + d["proposed"], accepted + d["accepted"]
-        # no rejected draft is left in the KV cache: it holds the prompt and the answer's evaluated tokens
-        # (all but the last, and the last too when an end-of-generation token came after it)
-        n = spec.usage.prompt_tokens
-        evaluated = len(spec.token_ids) - 1 + (spec.finish_reason == "stop")
-        assert list(backend.runner.cached_ids)[n:] == spec.token_ids[:evaluated]
+        check_cache_holds_only_the_answer(backend, spec, p)
     assert 0 < accepted < proposed, (accepted, proposed)
     return plain
 
@@ -79,14 +88,9 @@ def test_drafting_on_llama_cpp_is_refused_because_its_batches_round_differently(
 
 def test_kv_cache_holds_only_accepted_tokens_after_drafting(native_backend):
     res = greedy(native_backend, PROMPTS[0], "ngram", 48, k=7)  # long drafts: rejections are certain
-    runner = native_backend.runner
     d = res.timings["draft"]
     assert d["proposed"] > d["accepted"]
-    prompt_len = res.usage.prompt_tokens
-    # everything evaluated is the prompt and the answer (the last token is never evaluated): no draft is left
-    assert len(runner.cached_ids) == prompt_len + len(res.token_ids) - 1 + (res.finish_reason == "stop")
-    assert runner.cached_ids[prompt_len:prompt_len + len(res.token_ids) - 1] == res.token_ids[:-1]
-    assert runner.blocks.num_tokens(runner.seq) == len(runner.cached_ids)
+    check_cache_holds_only_the_answer(native_backend, res, PROMPTS[0])
 
 
 def test_unknown_draft_method_is_a_clear_error(native_backend):
@@ -141,7 +145,7 @@ class FixedDrafter:
 
 @pytest.fixture(scope="module")
 def table(native_backend):
-    from edge_runtime.engine.generator import build_prompt, prompt_ids
+    from edge_runtime.engine.completion import build_prompt, prompt_ids
 
     runner = native_backend.runner
     req = GenerationRequest(messages=[{"role": "user", "content": "Name a color."}], params=SamplingParams())

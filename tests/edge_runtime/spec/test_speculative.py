@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from edge_runtime.engine.generator import build_prompt, prompt_ids
+from edge_runtime.engine.completion import build_prompt, prompt_ids
 from edge_runtime.request import GenerationRequest, SamplingParams
 from edge_runtime.spec.speculative import NgramProposer
 

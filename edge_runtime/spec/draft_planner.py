@@ -1,0 +1,107 @@
+"""How many drafts each running sequence carries in the next engine step.
+
+The engine verifies drafts as extra rows of its batched decode step (engine/batch_engine.py): a
+sequence with k drafts adds k rows, each computed exactly as a one-token step. Rows are not free:
+a step of R rows costs t(R) (`StepCost`, measured on the engine's own decode calls, a prior until
+then), and t(R) grows faster once the rows stop sharing the weight stream (on a 2-core AVX-512
+CPU: t(4)/t(1) = 1.3, t(8)/t(1) = 2.3, t(16)/t(1) = 4.3). A sequence whose drafts are accepted at
+rate a turns k drafts into 1 + a + ... + a^k tokens in expectation (`Acceptance`).
+
+`DraftPlanner.plan` picks each sequence's k to maximize the step's expected tokens per second:
+from no drafts at all it adds one draft at a time where it gains most (the next draft of sequence
+j is worth a_j^(k_j + 1) tokens), and keeps the best point of that path. So drafting shrinks as
+the batch fills (each extra row costs more of a fuller step) and stops where it does not pay;
+a sequence left without drafts for `probe_every` steps gets one anyway, so its acceptance
+estimate can recover. It knows nothing about models, tokens or the KV cache.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class Acceptance:
+    """One sequence's running per-draft acceptance rate and how long it went without drafts."""
+    alpha: float = 0.5
+    decay: float = 0.9
+    idle: int = 0
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        """One verification: the first `accepted` of `proposed` drafts were taken."""
+        if proposed:
+            # each position up to the first rejection is one Bernoulli trial of the acceptance rate
+            trials = accepted + (accepted < proposed)
+            w = self.decay ** trials
+            self.alpha = w * self.alpha + (1 - w) * accepted / trials
+
+    def expected_tokens(self, k: int) -> float:
+        a = self.alpha
+        return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+class StepCost:
+    """t(R): seconds of a decode call of R rows, a running average per R as steps are measured.
+
+    Unmeasured row counts are interpolated between measured neighbours, or extrapolated from the
+    nearest measured one along the prior shape t(R) ~ 1 + slope (R - 1)."""
+
+    def __init__(self, max_rows: int, slope: float = 0.15, weight: float = 0.2):
+        self.max_rows, self.slope, self.weight = max_rows, slope, weight
+        self.seconds: dict[int, float] = {}
+
+    def _prior(self, rows: int) -> float:
+        return 1.0 + self.slope * (rows - 1)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        old = self.seconds.get(rows)
+        self.seconds[rows] = seconds if old is None else (1 - self.weight) * old + self.weight * seconds
+
+    def __call__(self, rows: int) -> float:
+        if rows in self.seconds:
+            return self.seconds[rows]
+        below = max((r for r in self.seconds if r < rows), default=None)
+        above = min((r for r in self.seconds if r > rows), default=None)
+        if below is not None and above is not None:
+            f = (rows - below) / (above - below)
+            return (1 - f) * self.seconds[below] + f * self.seconds[above]
+        near = below if below is not None else above
+        if near is None:
+            return self._prior(rows)
+        return self.seconds[near] * self._prior(rows) / self._prior(near)
+
+
+class DraftPlanner:
+    def __init__(self, max_rows: int, k_max: int = 7, probe_every: int = 16):
+        self.cost = StepCost(max_rows)
+        self.max_rows, self.k_max, self.probe_every = max_rows, k_max, probe_every
+
+    def plan(self, acceptances: list[Acceptance], limits: list[int], other_rows: int = 0) -> list[int]:
+        """Drafts per sequence (k_j <= limits[j], the drafts its drafter could offer within its
+        budget). `other_rows`: decode rows of sequences that cannot draft this step."""
+        n = len(acceptances)
+        limits = [max(0, min(limit, self.k_max)) for limit in limits]
+        k = [0] * n
+        rows = n + other_rows
+        tokens = float(rows)
+        best, best_rate = list(k), tokens / self.cost(rows)
+        while rows < self.max_rows:
+            gains = [acceptances[j].alpha ** (k[j] + 1) if k[j] < limits[j] else -1.0 for j in range(n)]
+            j = max(range(n), key=gains.__getitem__, default=None)
+            if j is None or gains[j] <= 0.0:
+                break
+            k[j] += 1
+            rows += 1
+            tokens += gains[j]
+            rate = tokens / self.cost(rows)
+            if rate > best_rate * 1.02:  # a marginal gain is not worth the risk of a noisy estimate
+                best, best_rate = list(k), rate
+        rows = n + other_rows + sum(best)
+        for j, acc in enumerate(acceptances):
+            if best[j] or not limits[j]:
+                acc.idle = 0
+                continue
+            acc.idle += 1
+            if acc.idle >= self.probe_every and rows < self.max_rows:
+                acc.idle, best[j] = 0, 1  # a probe: the estimate can recover
+                rows += 1
+        return best

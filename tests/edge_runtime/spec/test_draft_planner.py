@@ -1,0 +1,79 @@
+"""The draft planner (spec/draft_planner.py): drafts shrink as the batch fills, stop where they do not pay,
+follow the measured step cost, and probe a sequence left without drafts."""
+import pytest
+
+from edge_runtime.spec.draft_planner import Acceptance, DraftPlanner, StepCost
+
+# t(R) in ms as measured on a 2-core AVX-512 CPU (bench decode's step curve), linear between the points
+CURVE = {1: 4.4, 2: 4.7, 4: 5.8, 8: 10.4, 16: 19.1}
+
+
+def planner(curve=CURVE, max_rows=16):
+    p = DraftPlanner(max_rows)
+    for rows, ms in curve.items():
+        p.cost.observe(rows, ms / 1e3)
+    return p
+
+
+def expected_rate(p, accs, ks):
+    return sum(a.expected_tokens(k) for a, k in zip(accs, ks)) / p.cost(len(ks) + sum(ks))
+
+
+def test_drafts_shrink_as_the_batch_fills():
+    p = planner()
+    totals = []
+    for n in (1, 2, 4, 8):
+        ks = p.plan([Acceptance(alpha=0.8) for _ in range(n)], [7] * n)
+        totals.append(sum(ks) / n)
+    assert totals[0] >= 3 and totals == sorted(totals, reverse=True) and totals[-1] < 1
+
+
+def test_no_drafts_when_they_do_not_pay():
+    p = planner()
+    assert p.plan([Acceptance(alpha=0.05)], [7]) == [0]
+    assert p.plan([Acceptance(alpha=0.9) for _ in range(16)], [7] * 16) == [0] * 16  # no row left
+
+
+def test_the_plan_beats_every_uniform_draft_length():
+    """The greedy path's best point is at least as good as drafting the same k everywhere."""
+    p = planner()
+    accs = [Acceptance(alpha=a) for a in (0.9, 0.6, 0.3, 0.75)]
+    ks = p.plan(accs, [7] * 4)
+    best = expected_rate(p, accs, ks)
+    for k in range(0, 4):
+        assert best >= expected_rate(p, accs, [k] * 4) - 1e-9
+    assert ks[0] >= ks[1] >= ks[2]  # the better a sequence's drafts, the more it carries
+
+
+def test_limits_and_other_rows_are_respected():
+    p = planner()
+    ks = p.plan([Acceptance(alpha=0.95), Acceptance(alpha=0.95)], [2, 0], other_rows=3)
+    assert ks[0] <= 2 and ks[1] == 0
+
+
+def test_a_sequence_left_without_drafts_gets_a_probe():
+    p = DraftPlanner(16, probe_every=4)
+    acc = Acceptance(alpha=0.01)
+    plans = [p.plan([acc], [5])[0] for _ in range(8)]
+    assert plans == [0, 0, 0, 1, 0, 0, 0, 1]
+
+
+def test_step_cost_interpolates_and_extrapolates_along_the_prior():
+    c = StepCost(16, slope=0.5)
+    assert c(3) == pytest.approx(2.0)  # nothing measured: the prior shape
+    c.observe(2, 0.004)
+    c.observe(6, 0.008)
+    assert c(4) == pytest.approx(0.006)
+    assert c(1) == pytest.approx(0.004 * 1.0 / 1.5)
+    c.observe(2, 0.006)
+    assert c(2) == pytest.approx(0.8 * 0.004 + 0.2 * 0.006)
+
+
+def test_acceptance_moves_toward_what_is_observed():
+    a = Acceptance(alpha=0.5)
+    for _ in range(20):
+        a.observe(4, 4)
+    assert a.alpha > 0.95
+    for _ in range(40):  # a rejection at the first draft is one trial: 40 of them weigh 1 - 0.9^40
+        a.observe(4, 0)
+    assert a.alpha < 0.05
