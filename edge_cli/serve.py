@@ -57,7 +57,13 @@ def _concurrency(local) -> str:
     return f"one request at a time ({getattr(local, 'name', '?')})"
 
 
+SWITCH_INTERVAL_S = 0.0005
+
+
 def run_serve(args, make_backend) -> int:
+    # The engine thread releases the GIL for every kernel call and must get it back at once; with the default
+    # 5 ms switch interval the event loop thread (SSE writes) holds it that long and stalls the steps.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     import asyncio
     import socket
 

@@ -13,6 +13,7 @@ logits (`logits`, perplexity), the compile warm-up and MTP training data use it.
 """
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import copy
@@ -21,7 +22,7 @@ import os
 import queue
 import threading
 import time
-from typing import Iterator
+from typing import AsyncIterator, Iterator
 
 import torch
 
@@ -286,20 +287,33 @@ class NativeBackend(Backend):
             raise InvalidRequestError(str(e)) from None
         self.draft = name
 
+    def _submit(self, request: GenerationRequest, sink) -> tuple[str, StreamEvent]:
+        """Queue the request on the engine (bad input raises first); its id and its start event."""
+        ids = self.engine.prepare(request)
+        rid = f"local-{next(self._ids)}"
+        start = StreamEvent("start", info={"backend": self.name, "prompt_tokens": len(ids)})
+        self.engine.submit(rid, request, sink, prompt_token_ids=ids)
+        return rid, start
+
+    def _finish_info(self, ev: StreamEvent, t0: float, first: float | None, generated: int) -> StreamEvent:
+        now = time.perf_counter()
+        decode_s = now - (first or now)
+        ev.info = {**ev.info, "backend": self.name, "ttft_ms": ((first or now) - t0) * 1000.0,
+                   "decode_tok_per_s": (generated - 1) / decode_s if generated > 1 and decode_s > 0 else 0.0,
+                   "total_s": now - t0}
+        return ev
+
     def stream_sync(self, request: GenerationRequest, cancel: threading.Event | None = None) -> Iterator[StreamEvent]:
         """start, delta..., finish through the engine; bad input raises before start."""
-        engine = self.engine
-        ids = engine.prepare(request)
-        rid = f"local-{next(self._ids)}"
         events: queue.Queue = queue.Queue()
         t0 = time.perf_counter()
-        yield StreamEvent("start", info={"backend": self.name, "prompt_tokens": len(ids)})
-        engine.submit(rid, request, events.put, prompt_token_ids=ids)
+        rid, start = self._submit(request, events.put)
+        yield start
         cancelled, done, first, generated = False, False, None, 0
         try:
             while True:
                 if cancel is not None and cancel.is_set() and not cancelled:
-                    engine.cancel(rid)  # its KV blocks are freed at once; it finishes "cancelled"
+                    self.engine.cancel(rid)  # its KV blocks are freed at once; it finishes "cancelled"
                     cancelled = True
                 try:
                     ev = events.get(timeout=0.05)
@@ -310,14 +324,47 @@ class NativeBackend(Backend):
                     generated += len(ev.token_ids)
                     yield ev
                     continue
-                now = time.perf_counter()
-                decode_s = now - (first or now)
-                ev.info = {**ev.info, "backend": self.name, "ttft_ms": ((first or now) - t0) * 1000.0,
-                           "decode_tok_per_s": (generated - 1) / decode_s if generated > 1 and decode_s > 0 else 0.0,
-                           "total_s": now - t0}
                 done = True
-                yield ev
+                yield self._finish_info(ev, t0, first, generated)
                 return
         finally:
             if not done and not cancelled:  # the reader left early (a closed generator): stop generating for it
-                engine.cancel(rid)
+                self.engine.cancel(rid)
+
+    async def stream(self, request: GenerationRequest, prefix: str | None = None) -> AsyncIterator[StreamEvent]:
+        """The engine's events handed straight to the event loop (no thread per request in between); errors
+        travel in the stream. Leaving early cancels the request, which frees its KV blocks at once."""
+        if prefix is not None:
+            request.prefix = prefix
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        rid = None
+
+        def sink(ev: StreamEvent) -> None:  # on the engine thread
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, ev)
+            except RuntimeError:  # the loop is gone: nobody is listening any more
+                self.engine.cancel(rid)
+
+        t0 = time.perf_counter()
+        try:
+            rid, start = self._submit(request, sink)
+        except Exception as e:
+            yield StreamEvent("error", error=str(e), source="local", info={"code": getattr(e, "code", "internal")})
+            return
+        yield start
+        done, first, generated = False, None, 0
+        try:
+            while True:
+                ev = await events.get()
+                if ev.type == "delta":
+                    first = first or time.perf_counter()
+                    generated += len(ev.token_ids)
+                    yield ev
+                    continue
+                done = True
+                yield self._finish_info(ev, t0, first, generated)
+                return
+        finally:
+            if not done:
+                self.engine.cancel(rid)

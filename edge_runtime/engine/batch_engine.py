@@ -256,8 +256,8 @@ class BatchEngine:
             self.scheduler.update(chunk, sampled)
             if job is None or not sampled:
                 continue
-            if job.drafts is not None and chunk.end - chunk.start == 1:
-                job.drafts.observe(len(chunk.drafts), len(sampled) - 1)
+            if job.drafts is not None and self.drafter is not None and chunk.end - chunk.start == 1:
+                self.drafter.observe(job.drafts, len(chunk.drafts), len(sampled) - 1)
             self.num_verifications += bool(chunk.drafts)
             self.num_proposed += len(chunk.drafts)
             self.num_accepted += len(sampled) - 1

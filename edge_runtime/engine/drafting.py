@@ -68,9 +68,18 @@ class StepDrafter:
             raise ValueError("MTP drafting needs the MTP heads")
         self.method, self.mtp, self.fixed_k = method, mtp, fixed_k
         self.planner = DraftPlanner(max_rows, k_max=min(MAX_DRAFTS, max_rows - 1))
+        # acceptance over every job so far: where a new job's estimate starts (a short answer would
+        # otherwise spend its few steps paying for drafts a fixed 0.5 guess offered)
+        self.prior = Acceptance(decay=0.98)
 
     def new_job(self) -> JobDrafts:
-        return JobDrafts(NgramProposer() if self.method == "ngram" else self.mtp)
+        return JobDrafts(NgramProposer() if self.method == "ngram" else self.mtp,
+                         Acceptance(alpha=self.prior.alpha))
+
+    def observe(self, drafts: JobDrafts, proposed: int, accepted: int) -> None:
+        """One decode step of a job: `accepted` of its `proposed` drafts were taken."""
+        drafts.observe(proposed, accepted)
+        self.prior.observe(proposed, accepted)
 
     def _propose(self, job, k: int) -> list[int]:
         if self.method == "ngram":

@@ -332,7 +332,7 @@ def test_a_worker_with_ngram_drafts_answers_as_without(worker, solo):
             ws, _ = await open_raw(w)
             await ws.send(gen("g", f"Repeat this text exactly:\n\n{passage}", max_tokens=40))
             grounded = (await collect(ws, {"g"}))["g"]
-            for i, p in enumerate(PROMPTS[:3]):  # three at once: no drafting with company
+            for i, p in enumerate(PROMPTS[:3]):  # three at once: each may carry drafts in the shared steps
                 await ws.send(gen(f"c{i}", p))
             together = await collect(ws, {f"c{i}" for i in range(3)})
             await ws.close()

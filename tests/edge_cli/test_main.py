@@ -182,6 +182,7 @@ def test_arith_flag_applies_and_is_refused_where_it_does_not():
     (["generate", "--backend", "llama.cpp", "--quant", "int4", "--kv-budget", "1GB", "hi"],
      "--quant, --kv-budget apply to the native backend"),
     (["generate", "--backend", "onnxruntime", "--compile", "hi"], "--compile applies to the native backend"),
+    (["serve", "--backend", "llama.cpp", "--max-batch", "4"], "--max-batch applies to the native backend"),
     (["worker", "--compile"], "--compile does not apply to the worker"),
     (["worker", "--upstream", "http://127.0.0.1:9/v1", "--max-batch", "4"], "--max-batch applies to the worker's own"),
     (["worker", "--max-batched-tokens", "100"], "--max-batched-tokens 100 is below what one step needs"),

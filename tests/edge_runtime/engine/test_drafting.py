@@ -110,3 +110,26 @@ def test_drafting_is_refused_where_rows_would_round_differently(model_path):
     plain_torch = load_engine(model_path, n_ctx=256, quant="fp32", kv_budget="16MiB")
     with pytest.raises(ValueError, match="drafting needs the GGUF weights"):
         plain_torch.set_draft("ngram")
+
+
+def test_preemption_and_resume_with_drafts_give_the_solo_plain_answers(model_path, engine):
+    """A KV budget too small for four drafting sequences: some are preempted (blocks taken back, recomputed
+    later from the prefix cache), one is parked mid-answer and resumed; every answer is its solo plain one."""
+    requests = GROUNDED + [OTHER]
+    alone = [run(engine, "none", [r])[0] for r in requests]
+    tiny = load_engine(model_path, n_ctx=1024, kv_budget="6MiB", config=SchedulerConfig(4, 512, 256), draft="ngram")
+    assert tiny.capacity < sum(len(tiny.prepare(r)) + r.params.max_tokens for r in requests)
+    out = {i: [] for i in range(len(requests))}
+    for i, r in enumerate(requests):
+        tiny.submit(f"t{i}", r, lambda ev, i=i: out[i].extend(ev.token_ids) if ev.type == "delta" else None)
+    steps, parked = 0, False
+    while tiny.jobs or tiny._commands:
+        tiny.step()
+        steps += 1
+        if steps == 12:
+            tiny.park("t1")  # its client went away: blocks back at once
+            parked = True
+        elif parked and steps == 30:
+            tiny.unpark("t1")
+    assert [out[i] for i in range(len(requests))] == alone
+    assert tiny.scheduler.num_preemptions > 0 and tiny.num_verifications > 0
