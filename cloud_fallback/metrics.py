@@ -29,8 +29,8 @@ def render_metrics(worker) -> str:
               s.get("num_preemptions", 0))
     if s.get("draft"):
         d = s["draft"]
-        _line(out, "edge_worker_draft_verifications_total", "counter", "Draft verifications (a sequence alone, "
-              "--draft ngram).", d["verifications"])
+        _line(out, "edge_worker_draft_verifications_total", "counter", "Decode steps of a sequence that carried "
+              "drafts (--draft ngram).", d["verifications"])
         _line(out, "edge_worker_draft_tokens_total", "counter", "Draft tokens proposed.", d["proposed"])
         _line(out, "edge_worker_draft_accepted_total", "counter", "Draft tokens accepted.", d["accepted"])
     _line(out, "edge_worker_tokens_per_second", "gauge", "Generated tokens per second over the last 10 s.",

@@ -47,8 +47,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--upstream-key-file", default=None, help="file holding the upstream server's API key")
     p.add_argument("--max-batch", type=int, default=8, help="sequences per step (continuous batching)")
     p.add_argument("--draft", default="none", choices=["none", "ngram"],
-                   help="speculative decoding, output unchanged: ngram = prompt-lookup drafts for a sequence that "
-                        "runs alone (with company, every sequence decodes one token per step)")
+                   help="speculative decoding, output unchanged: ngram = prompt-lookup drafts as extra rows of "
+                        "each step, as many per sequence as pay for themselves")
     p.add_argument("--max-batched-tokens", type=int, default=512, help="tokens computed per step")
     p.add_argument("--chunk-size", type=int, default=256, help="prefill chunk size (a multiple of 16)")
     p.add_argument("--max-tokens", dest="limit_max_tokens", type=int, default=2048, help="limit on max_tokens")

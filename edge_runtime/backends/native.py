@@ -180,6 +180,25 @@ class NativeRunner:
         return self.blocks.stats()
 
 
+class _Timing:
+    """A request's times as its caller sees them: the finish event gets time to first token and decode speed."""
+
+    def __init__(self, backend: str):
+        self.backend, self.t0, self.first, self.generated = backend, time.perf_counter(), None, 0
+
+    def see(self, ev: StreamEvent) -> StreamEvent:
+        now = time.perf_counter()
+        if ev.type == "delta":
+            self.first = self.first or now
+            self.generated += len(ev.token_ids)
+            return ev
+        first, n = self.first or now, self.generated
+        ev.info = {**ev.info, "backend": self.backend, "ttft_ms": (first - self.t0) * 1000.0,
+                   "decode_tok_per_s": (n - 1) / (now - first) if n > 1 and now > first else 0.0,
+                   "total_s": now - self.t0}
+        return ev
+
+
 def _check_device(device: str) -> None:
     try:
         dev = torch.device(device)
@@ -295,23 +314,15 @@ class NativeBackend(Backend):
         self.engine.submit(rid, request, sink, prompt_token_ids=ids)
         return rid, start
 
-    def _finish_info(self, ev: StreamEvent, t0: float, first: float | None, generated: int) -> StreamEvent:
-        now = time.perf_counter()
-        decode_s = now - (first or now)
-        ev.info = {**ev.info, "backend": self.name, "ttft_ms": ((first or now) - t0) * 1000.0,
-                   "decode_tok_per_s": (generated - 1) / decode_s if generated > 1 and decode_s > 0 else 0.0,
-                   "total_s": now - t0}
-        return ev
-
     def stream_sync(self, request: GenerationRequest, cancel: threading.Event | None = None) -> Iterator[StreamEvent]:
         """start, delta..., finish through the engine; bad input raises before start."""
         events: queue.Queue = queue.Queue()
-        t0 = time.perf_counter()
+        timing = _Timing(self.name)
         rid, start = self._submit(request, events.put)
         yield start
-        cancelled, done, first, generated = False, False, None, 0
+        cancelled = done = False
         try:
-            while True:
+            while not done:
                 if cancel is not None and cancel.is_set() and not cancelled:
                     self.engine.cancel(rid)  # its KV blocks are freed at once; it finishes "cancelled"
                     cancelled = True
@@ -319,14 +330,8 @@ class NativeBackend(Backend):
                     ev = events.get(timeout=0.05)
                 except queue.Empty:
                     continue
-                if ev.type == "delta":
-                    first = first or time.perf_counter()
-                    generated += len(ev.token_ids)
-                    yield ev
-                    continue
-                done = True
-                yield self._finish_info(ev, t0, first, generated)
-                return
+                done = ev.type != "delta"
+                yield timing.see(ev)
         finally:
             if not done and not cancelled:  # the reader left early (a closed generator): stop generating for it
                 self.engine.cancel(rid)
@@ -346,25 +351,19 @@ class NativeBackend(Backend):
             except RuntimeError:  # the loop is gone: nobody is listening any more
                 self.engine.cancel(rid)
 
-        t0 = time.perf_counter()
+        timing = _Timing(self.name)
         try:
             rid, start = self._submit(request, sink)
         except Exception as e:
             yield StreamEvent("error", error=str(e), source="local", info={"code": getattr(e, "code", "internal")})
             return
         yield start
-        done, first, generated = False, None, 0
+        done = False
         try:
-            while True:
+            while not done:
                 ev = await events.get()
-                if ev.type == "delta":
-                    first = first or time.perf_counter()
-                    generated += len(ev.token_ids)
-                    yield ev
-                    continue
-                done = True
-                yield self._finish_info(ev, t0, first, generated)
-                return
+                done = ev.type != "delta"
+                yield timing.see(ev)
         finally:
             if not done:
                 self.engine.cancel(rid)

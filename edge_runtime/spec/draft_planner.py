@@ -11,8 +11,8 @@ rate a turns k drafts into 1 + a + ... + a^k tokens in expectation (`Acceptance`
 from no drafts at all it adds one draft at a time where it gains most (the next draft of sequence
 j is worth a_j^(k_j + 1) tokens), and keeps the best point of that path. So drafting shrinks as
 the batch fills (each extra row costs more of a fuller step) and stops where it does not pay;
-a sequence left without drafts for `probe_every` steps gets one anyway, so its acceptance
-estimate can recover. It knows nothing about models, tokens or the KV cache.
+a sequence left without drafts for `probe_every` steps per row of the step gets one anyway, so
+its acceptance estimate can recover (about one probe row per `probe_every` steps in all). It knows nothing about models, tokens or the KV cache.
 """
 from __future__ import annotations
 
@@ -96,12 +96,13 @@ class DraftPlanner:
             if rate > best_rate * 1.02:  # a marginal gain is not worth the risk of a noisy estimate
                 best, best_rate = list(k), rate
         rows = n + other_rows + sum(best)
+        every = self.probe_every * rows  # about one probe row per probe_every steps, however full the batch
         for j, acc in enumerate(acceptances):
             if best[j] or not limits[j]:
                 acc.idle = 0
                 continue
             acc.idle += 1
-            if acc.idle >= self.probe_every and rows < self.max_rows:
+            if acc.idle >= every and rows < self.max_rows:
                 acc.idle, best[j] = 0, 1  # a probe: the estimate can recover
                 rows += 1
         return best

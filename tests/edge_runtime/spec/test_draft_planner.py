@@ -56,6 +56,10 @@ def test_a_sequence_left_without_drafts_gets_a_probe():
     acc = Acceptance(alpha=0.01)
     plans = [p.plan([acc], [5])[0] for _ in range(8)]
     assert plans == [0, 0, 0, 1, 0, 0, 0, 1]
+    # with company, each sequence probes less often: about one probe row per 4 steps in all
+    accs = [Acceptance(alpha=0.01) for _ in range(4)]
+    probes = sum(sum(p.plan(accs, [5] * 4)) for _ in range(64))
+    assert 8 <= probes <= 20
 
 
 def test_step_cost_interpolates_and_extrapolates_along_the_prior():
