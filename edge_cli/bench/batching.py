@@ -144,43 +144,76 @@ def _measure_worker(args, work, max_batch: int, schedules: list[str]) -> dict:
         w.stop()
 
 
+def _pooled(runs: list[dict]) -> dict:
+    """Several timed runs of one configuration as one figure: tokens over wall time, summed."""
+    wall, tokens = sum(r["wall_s"] for r in runs), sum(r["generated_tokens"] for r in runs)
+    return {"wall_s": round(wall, 2), "generated_tokens": tokens, "tokens_per_s": round(tokens / wall, 1),
+            "runs": runs}
+
+
 def run_draft_comparison(args, work) -> dict:
-    """The worker with --draft ngram against without, each in its own process with the same flags: the
-    workload at max batch --max-batch (continuous), and 12 input-grounded prompts (bench spec's), 128 tokens
-    each, one at a time and two at a time. Token ids are compared request by request (`identical_*`),
-    throughput as ratios."""
+    """The worker with --draft ngram against without: two worker processes with the same flags, up at the same
+    time, measured in turns so the machine's drift touches both alike (ABBA for the 100-request workload at
+    max batch --max-batch, continuous; per prompt or pair, alternating which goes first, for bench spec's 12
+    input-grounded prompts, 128 tokens each, one at a time and two at a time). Token ids are compared request
+    by request (`identical_*`), throughput as ratios."""
     from edge_cli.bench.spec import grounded_prompts
 
     grounded = [(p, 128) for p in grounded_prompts(12)]
-    out, ids = {}, {}
-    for draft in ("none", args.draft):
-        w = WorkerProcess("--max-batch", str(args.max_batch), "--max-batched-tokens", str(max(512, 256 + args.max_batch)),
-                          "--draft", draft, "--quant", args.quant, "--model", args.model, "--ctx", "2048",
-                          "--max-streams-per-connection", "1024", "--max-streams", "1024", "--kv-budget", "2GiB",
-                          "--max-prompt-tokens", "1900", threads=args.threads)
-        try:
-            asyncio.run(run_schedule(w.url, w.token, work[:args.max_batch], "continuous", args.max_batch))  # warm-up
-            ids[draft] = ([], [], [])
-            b = asyncio.run(run_schedule(w.url, w.token, work, "continuous", args.max_batch, ids=ids[draft][0]))
-            g = asyncio.run(run_schedule(w.url, w.token, grounded, "sequential", 1, chat=True, ids=ids[draft][1]))
-            g2 = asyncio.run(run_schedule(w.url, w.token, grounded, "static", 2, chat=True, ids=ids[draft][2]))
-            m = w.metrics()
-        finally:
+    plan = ("none", args.draft)
+    workers = {}
+    try:
+        for draft in plan:
+            workers[draft] = WorkerProcess(
+                "--max-batch", str(args.max_batch), "--max-batched-tokens", str(max(512, 256 + args.max_batch)),
+                "--draft", draft, "--quant", args.quant, "--model", args.model, "--ctx", "2048",
+                "--max-streams-per-connection", "1024", "--max-streams", "1024", "--kv-budget", "2GiB",
+                "--max-prompt-tokens", "1900", threads=args.threads)
+        ids = {d: ([], [], []) for d in plan}
+        runs = {d: ([], [], []) for d in plan}
+
+        def measure(d: str, which: int, items, schedule: str, group: int, chat: bool) -> None:
+            w = workers[d]
+            runs[d][which].append(asyncio.run(run_schedule(w.url, w.token, items, schedule, group, chat=chat,
+                                                           ids=ids[d][which])))
+
+        for d in plan:
+            asyncio.run(run_schedule(workers[d].url, workers[d].token, work[:args.max_batch], "continuous",
+                                     args.max_batch))  # warm-up
+        for d in plan + plan[::-1]:  # A B B A: a linear drift cancels
+            measure(d, 0, work, "continuous", args.max_batch, False)
+        for i, (p, m) in enumerate(grounded):
+            for d in (plan if i % 2 == 0 else plan[::-1]):
+                measure(d, 1, [(p, m)], "sequential", 1, True)
+        for i in range(0, len(grounded), 2):
+            for d in (plan if i % 4 == 0 else plan[::-1]):
+                measure(d, 2, grounded[i:i + 2], "static", 2, True)
+        metrics = {d: workers[d].metrics() for d in plan}
+    finally:
+        for w in workers.values():
             w.stop()
-        out[draft] = {"batching": b, "grounded_one_at_a_time": g, "grounded_two_at_a_time": g2,
-                      "draft_accepted": m.get("edge_worker_draft_accepted_total", 0.0),
-                      "draft_proposed": m.get("edge_worker_draft_tokens_total", 0.0)}
-        print(f"  --draft {draft}: workload {b['tokens_per_s']:.1f} tok/s, grounded one at a time "
+    out = {}
+    for d in plan:
+        b, g, g2 = (_pooled(r) for r in runs[d])
+        m = metrics[d]
+        out[d] = {"batching": b, "grounded_one_at_a_time": g, "grounded_two_at_a_time": g2,
+                  "draft_accepted": m.get("edge_worker_draft_accepted_total", 0.0),
+                  "draft_proposed": m.get("edge_worker_draft_tokens_total", 0.0)}
+        print(f"  --draft {d}: workload {b['tokens_per_s']:.1f} tok/s, grounded one at a time "
               f"{g['tokens_per_s']:.1f} tok/s, two at a time {g2['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
     d, plain = out[args.draft], out["none"]
-    return {"draft": args.draft, "by_draft": out,
-            "identical_batching": ids["none"][0] == ids[args.draft][0],
+
+    def ratio(key: str) -> float:
+        return round(d[key]["tokens_per_s"] / plain[key]["tokens_per_s"], 3)
+
+    n = len(work)  # the workload ran twice per worker: its ids twice
+    return {"draft": args.draft, "by_draft": out, "measured": "both workers up at once, in turns (ABBA / alternating)",
+            "identical_batching": (ids["none"][0][:n] == ids["none"][0][n:] == ids[args.draft][0][:n]
+                                   == ids[args.draft][0][n:]),
             "identical_grounded": ids["none"][1] == ids[args.draft][1] == ids["none"][2] == ids[args.draft][2],
-            "draft_over_plain_batching": round(d["batching"]["tokens_per_s"] / plain["batching"]["tokens_per_s"], 3),
-            "draft_over_plain_grounded": round(d["grounded_one_at_a_time"]["tokens_per_s"]
-                                               / plain["grounded_one_at_a_time"]["tokens_per_s"], 3),
-            "draft_over_plain_grounded_two_at_a_time": round(d["grounded_two_at_a_time"]["tokens_per_s"]
-                                                             / plain["grounded_two_at_a_time"]["tokens_per_s"], 3),
+            "draft_over_plain_batching": ratio("batching"),
+            "draft_over_plain_grounded": ratio("grounded_one_at_a_time"),
+            "draft_over_plain_grounded_two_at_a_time": ratio("grounded_two_at_a_time"),
             "draft_targets": {"draft_over_plain_grounded": 1.5, "draft_over_plain_grounded_two_at_a_time": 1.5,
                               "draft_over_plain_batching": 0.95}}
 
@@ -206,7 +239,7 @@ def run_batching_bench(args) -> int:
     if getattr(args, "draft", None):
         result = {"workload": {"requests": len(work), "short_tokens": 20, "long_tokens": 200,
                                "arrival": "all at once", "greedy": True, "ignore_eos": True,
-                               "grounded": "bench spec's 12 input-grounded prompts, one at a time, 128 tokens"},
+                               "grounded": "bench spec's 12 input-grounded prompts, 128 tokens, one at a time and two at a time"},
                   "worker": {"max_batch": args.max_batch, "quant": args.quant, "threads": args.threads,
                              "model": args.model}, **run_draft_comparison(args, work)}
         print_and_save(result, args.json_file)
