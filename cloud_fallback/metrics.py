@@ -33,6 +33,11 @@ def render_metrics(worker) -> str:
               "drafts (--draft ngram).", d["verifications"])
         _line(out, "edge_worker_draft_tokens_total", "counter", "Draft tokens proposed.", d["proposed"])
         _line(out, "edge_worker_draft_accepted_total", "counter", "Draft tokens accepted.", d["accepted"])
+        if d.get("step_seconds"):
+            out.append("# HELP edge_worker_step_seconds A decode call's time by its rows (the draft planner's t(R)).")
+            out.append("# TYPE edge_worker_step_seconds gauge")
+            for rows, sec in sorted(d["step_seconds"].items()):
+                out.append(f'edge_worker_step_seconds{{rows="{rows}"}} {float(sec):.6g}')
     _line(out, "edge_worker_tokens_per_second", "gauge", "Generated tokens per second over the last 10 s.",
           float(s.get("tokens_per_s", 0.0)))
     _line(out, "edge_worker_generated_tokens_total", "counter", "Tokens generated.", s.get("tokens_generated", 0))

@@ -198,7 +198,9 @@ def run_draft_comparison(args, work) -> dict:
         m = metrics[d]
         out[d] = {"batching": b, "grounded_one_at_a_time": g, "grounded_two_at_a_time": g2,
                   "draft_accepted": m.get("edge_worker_draft_accepted_total", 0.0),
-                  "draft_proposed": m.get("edge_worker_draft_tokens_total", 0.0)}
+                  "draft_proposed": m.get("edge_worker_draft_tokens_total", 0.0),
+                  "step_ms_by_rows": {k.split('"')[1]: round(v * 1e3, 2) for k, v in m.items()
+                                      if k.startswith("edge_worker_step_seconds")}}
         print(f"  --draft {d}: workload {b['tokens_per_s']:.1f} tok/s, grounded one at a time "
               f"{g['tokens_per_s']:.1f} tok/s, two at a time {g2['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
     d, plain = out[args.draft], out["none"]

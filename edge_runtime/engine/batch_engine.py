@@ -329,7 +329,8 @@ class BatchEngine:
 
     def draft_stats(self) -> dict:
         return {"method": self.draft, "verifications": self.num_verifications, "proposed": self.num_proposed,
-                "accepted": self.num_accepted}
+                "accepted": self.num_accepted,
+                "step_seconds": dict(self.drafter.planner.cost.seconds) if self.drafter is not None else {}}
 
 
 def load_engine(model: str = "default", n_ctx: int = 4096, threads: int | None = None, quant: str = "auto",

@@ -342,6 +342,8 @@ def test_a_worker_with_ngram_drafts_answers_as_without(worker, solo):
     finally:
         w.stop()
     assert m["edge_worker_draft_verifications_total"] > 0 and m["edge_worker_draft_accepted_total"] > 0
+    step_costs = {k: v for k, v in m.items() if k.startswith('edge_worker_step_seconds{rows="')}
+    assert step_costs and all(v > 0 for v in step_costs.values())  # the planner's measured t(R)
     async def again():  # the module's worker drafts nothing
         ws, _ = await open_raw(worker)
         await ws.send(gen("g-plain", f"Repeat this text exactly:\n\n{passage}", max_tokens=40))
