@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import time
 
+from edge_runtime.spec.draft_planner import Acceptance
+
 
 class NgramProposer:
     name = "ngram"
@@ -65,15 +67,19 @@ class DraftLength:
                  fixed: bool = False):
         if not 0 <= k_max <= 7:
             raise ValueError(f"draft length must be 0..7 (verification runs at most 8 rows), got {k_max}")
-        self.k_max, self.alpha, self.decay, self.probe_every = k_max, alpha, decay, probe_every
+        self.k_max, self.probe_every = k_max, probe_every
+        self.acceptance = Acceptance(alpha, decay)  # the running per-draft acceptance (draft_planner.py)
         self.fixed = fixed  # always k_max (clamped): for measuring acceptance at a given k
         self.cost = {t: 1.0 + 0.2 * (t - 1) for t in range(1, 9)}  # seconds, relative prior until measured
         self._measured: set[int] = set()
         self._idle = 0
 
+    @property
+    def alpha(self) -> float:
+        return self.acceptance.alpha
+
     def expected_tokens(self, k: int) -> float:
-        a = self.alpha
-        return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+        return self.acceptance.expected_tokens(k)
 
     def choose(self, limit: int) -> int:
         """The draft length for the next step, at most `limit`."""
@@ -103,12 +109,7 @@ class DraftLength:
 
     def observe_acceptance(self, proposed: int, accepted: int) -> None:
         """One verification: `accepted` of `proposed` drafts (a prefix) were taken."""
-        if proposed:
-            # each position up to the first rejection is one Bernoulli trial of the acceptance rate
-            trials = accepted + (accepted < proposed)
-            rate = accepted / trials
-            w = self.decay ** trials
-            self.alpha = w * self.alpha + (1 - w) * rate
+        self.acceptance.observe(proposed, accepted)
 
 
 class Speculator:
