@@ -205,11 +205,11 @@ static inline float dot(const float* a, const float* b, int n) {
 
 /* qkv: [nh*hd | nkv*hd | nkv*hd] for one token at position pos. kv_store_token applies rotate-half RoPE
  * (cos/sin rows of length hd) to its k and writes k and v into the paged cache at pos; attend_head then
- * attends one query head h over positions 0..pos of its KV head (h / (nh / nkv)), and attend_group all
- * the query heads of one KV head, converting each K and V row once for all of them (fp16 rows of 64, the
- * default cache). Each query head gets the same operations whoever runs it and whichever of the two does,
- * so the threads may split a step's (row, head) or (row, KV head) units any way: a step takes the latter
- * when there are at least two per thread. Rows are prefetched ahead (between layers the GEMVs evict the
+ * attends one query head h over positions 0..pos of its KV head (h / (nh / nkv)), and attend_rows the
+ * query heads of one KV head for the rows of one sequence (a token and its drafts), reading and converting
+ * each K and V row once for all of them (fp16 rows of 64, the default cache). Each (row, query head) gets
+ * the same operations whoever runs it and whichever of the two does, so the threads may split a step's
+ * units any way. Rows are prefetched ahead (between layers the GEMVs evict the
  * cache). nh * hd <= 8192, hd <= 512. */
 static void kv_store_token(const float* qkv, int nh, int nkv, int hd, const float* cos_row, const float* sin_row,
                            const paged_kv* kv, int pos) {
@@ -235,6 +235,8 @@ static inline void kv_prefetch(const void* pool, int kind, size_t slot, int nkv,
     const char* p = (const char*)pool + (slot * nkv + j) * hd * bytes;
     for (size_t o = 0; o < hd * bytes; o += 64) __builtin_prefetch(p + o);
 }
+
+#define MAX_QUERIES 64 /* queries per shared attention pass (attend_queries_f16_64) */
 
 #if defined(__AVX2__) && defined(__F16C__)
 /* exp_ieee on 8 lanes: the same IEEE operations in the same order (the clamps as max / min: no NaN here) */
@@ -326,67 +328,72 @@ static void attend_f16_64(const float* q, const paged_kv* kv, int nkv, int j, in
     for (int c = 0; c < 8; c++) _mm256_storeu_ps(out + 8 * c, o[c]);
 }
 
-/* attend_f16_64 for the G query heads of KV head j at once, each with attend_f16_64's operations in its
- * order (so each head's bits are the same): every 8 positions' K rows, then V rows, are converted to fp32
- * once into L1 and read by all G heads, instead of once per head. q: G prepared queries of 64; sc[g],
- * out[g]: head g's scores (n) and output (64). */
-static void attend_group_f16_64(const float* q, int G, const paged_kv* kv, int nkv, int j, int n, float* const* sc,
-                                float* const* out) {
+/* attend_f16_64 for Q queries of KV head j at once (query i over positions 0..n[i]-1; kv's block table
+ * covers the largest n): the query heads of one KV head, and the rows of one sequence (a token and its
+ * drafts: the same positions up to the earlier row's), so every 8 positions' K rows, then V rows, are
+ * read and converted to fp32 once into L1 for all of them instead of once per query (at a few hundred
+ * tokens of context those reads, not the arithmetic, set attention's cost). Each query gets attend_f16_64's
+ * operations in its order, so its bits do not depend on the queries it shares a pass with: 8 scores at a
+ * time with dot8's tree, positions past its last whole 8 by dot() (the same tree), then its own softmax
+ * and its probabilities times V in position order. q: Q prepared queries of 64; sc[i], out[i]: query i's
+ * scores (n[i]) and output (64). */
+static void attend_queries_f16_64(const float* q, int Q, const int* n, const paged_kv* kv, int nkv, int j,
+                                  float* const* sc, float* const* out) {
     const int bs = kv->bs;
     float buf[8][64] __attribute__((aligned(32)));
+    int nmax = 0;
+    for (int i = 0; i < Q; i++) nmax = n[i] > nmax ? n[i] : nmax;
 #define ROW(p, s) ((p) + (((size_t)kv->table[(s) / bs] * bs + (s) % bs) * nkv + j) * 64)
-#define LOAD8(pool, s0)                                                                                   \
-    for (int i = 0; i < 8; i++) {                                                                        \
+#define LOAD(pool, s0, cnt)                                                                               \
+    for (int i = 0; i < (cnt); i++) {                                                                    \
         const uint16_t* r = ROW(pool, (s0) + i);                                                         \
-        if ((s0) + i + 8 < n) { const char* pf = (const char*)ROW(pool, (s0) + i + 8); __builtin_prefetch(pf); __builtin_prefetch(pf + 64); } \
+        if ((s0) + i + 8 < nmax) { const char* pf = (const char*)ROW(pool, (s0) + i + 8); __builtin_prefetch(pf); __builtin_prefetch(pf + 64); } \
         for (int c = 0; c < 8; c++) _mm256_store_ps(buf[i] + 8 * c, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(r + 8 * c)))); \
     }
     const uint16_t* kp = (const uint16_t*)kv->k;
-    int s = 0;
-    for (; s + 8 <= n; s += 8) {
-        LOAD8(kp, s)
-        for (int g = 0; g < G; g++) {
+    for (int s = 0; s < nmax; s += 8) {
+        const int cnt = nmax - s < 8 ? nmax - s : 8;
+        LOAD(kp, s, cnt)
+        for (int g = 0; g < Q; g++) {
             const float* qg = q + 64 * g;
-            __m256 a[8];
-            for (int i = 0; i < 8; i++) {
-                __m256 acc = _mm256_setzero_ps();
-                for (int c = 0; c < 8; c++)
-                    acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(qg + 8 * c), _mm256_load_ps(buf[i] + 8 * c)));
-                a[i] = acc;
+            if (n[g] >= s + 8) {
+                __m256 a[8];
+                for (int i = 0; i < 8; i++) {
+                    __m256 acc = _mm256_setzero_ps();
+                    for (int c = 0; c < 8; c++)
+                        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(qg + 8 * c), _mm256_load_ps(buf[i] + 8 * c)));
+                    a[i] = acc;
+                }
+                const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+                const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+                _mm256_storeu_ps(sc[g] + s, _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31)));
+            } else {
+                for (int i = 0; s + i < n[g]; i++) sc[g][s + i] = dot(qg, buf[i], 64);
             }
-            const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-            const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-            _mm256_storeu_ps(sc[g] + s, _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31)));
         }
     }
-    for (; s < n; s++) {
-        kv_load(kv->k, NULL, KV_F16, (size_t)kv->table[s / bs] * bs + s % bs, nkv, j, 64, buf[0]);
-        for (int g = 0; g < G; g++) sc[g][s] = dot(q + 64 * g, buf[0], 64);
-    }
-    float inv[64];
-    for (int g = 0; g < G; g++) {
-        inv[g] = softmax_exp(sc[g], n);
+    float inv[MAX_QUERIES];
+    for (int g = 0; g < Q; g++) {
+        inv[g] = softmax_exp(sc[g], n[g]);
         for (int c = 0; c < 8; c++) _mm256_storeu_ps(out[g] + 8 * c, _mm256_setzero_ps());
     }
     const uint16_t* vp = (const uint16_t*)kv->v;
-    for (s = 0; s < n; s += 8) {
-        const int cnt = n - s < 8 ? n - s : 8;
-        if (cnt == 8) {
-            LOAD8(vp, s)
-        } else {
-            for (int i = 0; i < cnt; i++) kv_load(kv->v, NULL, KV_F16, (size_t)kv->table[(s + i) / bs] * bs + (s + i) % bs, nkv, j, 64, buf[i]);
-        }
-        for (int g = 0; g < G; g++) {
+    for (int s = 0; s < nmax; s += 8) {
+        const int cnt = nmax - s < 8 ? nmax - s : 8;
+        LOAD(vp, s, cnt)
+        for (int g = 0; g < Q; g++) {
+            const int cg = n[g] - s < cnt ? n[g] - s : cnt;
+            if (cg <= 0) continue;
             __m256 o[8];
             for (int c = 0; c < 8; c++) o[c] = _mm256_loadu_ps(out[g] + 8 * c);
-            for (int i = 0; i < cnt; i++) {
+            for (int i = 0; i < cg; i++) {
                 const __m256 pv = _mm256_set1_ps(sc[g][s + i] * inv[g]);
                 for (int c = 0; c < 8; c++) o[c] = _mm256_add_ps(o[c], _mm256_mul_ps(pv, _mm256_load_ps(buf[i] + 8 * c)));
             }
             for (int c = 0; c < 8; c++) _mm256_storeu_ps(out[g] + 8 * c, o[c]);
         }
     }
-#undef LOAD8
+#undef LOAD
 #undef ROW
 }
 #endif
@@ -453,39 +460,65 @@ static void attend_head(const float* qkv, int nh, int nkv, int hd, const float* 
         attend_head_hd(qkv, nh, nkv, hd, cos_row, sin_row, kv, pos, scale, h, out, sc);
 }
 
-#define MAX_GROUP 16
-/* Whether attend_group serves this cache: fp16 rows of 64 (the default) and at most MAX_GROUP query heads
- * per KV head, on a build with the AVX2 kernels. */
+/* Whether attend_rows serves this cache: fp16 rows of 64 (the default) and whole query groups that fit
+ * one pass (nh / nkv <= MAX_QUERIES), on a build with the AVX2 kernels. */
 static int group_attention(const int* dims) {
 #if defined(__AVX2__) && defined(__F16C__)
     const int nh = dims[1], nkv = dims[2];
-    return dims[3] == 64 && dims[8] == KV_F16 && nh % nkv == 0 && nh / nkv <= MAX_GROUP;
+    return dims[3] == 64 && dims[8] == KV_F16 && nh % nkv == 0 && nh / nkv <= MAX_QUERIES;
 #else
     (void)dims;
     return 0;
 #endif
 }
 
-/* attend_head for every query head of KV head j (group_attention true): the same bits per head. out and
- * sc: the row's attention output [nh * 64] and scores [nh][score_stride]. */
-static void attend_group(const float* qkv, int nh, int nkv, const float* cos_row, const float* sin_row,
-                         const paged_kv* kv, int pos, float scale, int j, float* out, float* sc, size_t score_stride) {
+/* Query heads g0..g1-1 of KV head j for rows m0..m0+R-1 of one sequence (group_attention true) in one
+ * attend_queries_f16_64 pass; kv: the last row's (its block table covers every row's positions). The
+ * same bits per (row, head) as attend_head. attn, scores: the step's [M][nh * 64] and [M][nh][score_stride]. */
+static void attend_rows(const float* qkv, int n_qkv, int nh, int nkv, const float** cos_rows, const float** sin_rows,
+                        const int* pos, int m0, int R, int g0, int g1, const paged_kv* kv, float scale, int j,
+                        float* attn, float* scores, size_t n_scores, size_t score_stride) {
 #if defined(__AVX2__) && defined(__F16C__)
     const int G = nh / nkv;
-    float q[MAX_GROUP * 64] __attribute__((aligned(32)));
-    float* scs[MAX_GROUP];
-    float* outs[MAX_GROUP];
-    for (int g = 0; g < G; g++) {
-        const int h = j * G + g;
-        prepare_query(qkv + h * 64, 64, cos_row, sin_row, scale, kv->rotated, q + 64 * g);
-        scs[g] = sc + (size_t)h * score_stride;
-        outs[g] = out + (size_t)h * 64;
-    }
-    attend_group_f16_64(q, G, kv, nkv, j, pos + 1, scs, outs);
+    float q[MAX_QUERIES * 64] __attribute__((aligned(32)));
+    float* scs[MAX_QUERIES];
+    float* outs[MAX_QUERIES];
+    int n[MAX_QUERIES], Q = 0;
+    for (int m = m0; m < m0 + R; m++)
+        for (int g = g0; g < g1; g++, Q++) {
+            const int h = j * G + g;
+            prepare_query(qkv + (size_t)m * n_qkv + h * 64, 64, cos_rows[m], sin_rows[m], scale, kv->rotated,
+                          q + 64 * Q);
+            scs[Q] = scores + (size_t)m * n_scores + (size_t)h * score_stride;
+            outs[Q] = attn + ((size_t)m * nh + h) * 64;
+            n[Q] = pos[m] + 1;
+        }
+    attend_queries_f16_64(q, Q, n, kv, nkv, j, scs, outs);
 #else
-    (void)qkv; (void)nh; (void)nkv; (void)cos_row; (void)sin_row; (void)kv; (void)pos; (void)scale; (void)j;
-    (void)out; (void)sc; (void)score_stride;
+    (void)qkv; (void)n_qkv; (void)nh; (void)nkv; (void)cos_rows; (void)sin_rows; (void)pos; (void)m0; (void)R;
+    (void)g0; (void)g1; (void)kv; (void)scale; (void)j; (void)attn; (void)scores; (void)n_scores; (void)score_stride;
 #endif
+}
+
+/* Rows of the step that attend together (attend_rows): runs of consecutive positions of one sequence (a
+ * token and its drafts: row m continues row m - 1's run when its position is the next one and its block
+ * table agrees on every block row m - 1 reads), cut every `most` rows. Returns the number of parts. */
+static int attention_parts(int M, const int* pos, const int* tables, int table_stride, int bs, int one_sequence,
+                           int most, int* part0, int* partn) {
+    int np = 0;
+    for (int m = 0; m < M; m++) {
+        const int same = m > 0 && pos[m] == pos[m - 1] + 1 && partn[np - 1] < most &&
+                         (one_sequence || !memcmp(tables + (size_t)(m - 1) * table_stride,
+                                                  tables + (size_t)m * table_stride,
+                                                  sizeof(int) * (size_t)(pos[m - 1] / bs + 1)));
+        if (same) {
+            partn[np - 1]++;
+        } else {
+            part0[np] = m;
+            partn[np++] = 1;
+        }
+    }
+    return np;
 }
 
 /* ---- one parallel region per step: a team of threads and its barrier ----------------------------- */
@@ -548,7 +581,12 @@ static int layers(int n_layers, int M, const int* dims, float eps, float scale, 
     const int max_pos = dims[5], nt = dims[6] > 1 ? dims[6] : 1, arith = dims[10];
     const int n_qkv = (nh + 2 * nkv) * hd;
     const size_t n_scores = (size_t)nh * (max_pos + 1);
-    const int group_mode = group_attention(dims);
+    const int group_mode = group_attention(dims), G = nh / nkv;
+    int* part0 = malloc(sizeof(int) * 2 * (size_t)M);
+    if (!part0) return -2;
+    int* partn = part0 + M;
+    const int nparts = attention_parts(M, pos, tables, table_stride, dims[7], one_sequence,
+                                       G <= MAX_QUERIES ? MAX_QUERIES / G : 1, part0, partn);
     float* normed = scratch;
     float* qkv = normed + (size_t)M * dim;
     float* attn = qkv + (size_t)M * n_qkv;
@@ -560,7 +598,10 @@ static int layers(int n_layers, int M, const int* dims, float eps, float scale, 
     const int kmax = dim > hidden ? (dim > nh * hd ? dim : nh * hd) : (hidden > nh * hd ? hidden : nh * hd);
     size_t wsb = arith ? qgemm_workspace(kmax, M) : sizeof(float) * (size_t)M * (kmax / 32);
     void* ws = aligned_alloc(64, (wsb + 63) / 64 * 64);
-    if (!ws) return -2;
+    if (!ws) {
+        free(part0);
+        return -2;
+    }
     team_barrier bar;
     team_barrier_init(&bar, 1);
     int rc_all = 0;
@@ -585,21 +626,33 @@ static int layers(int n_layers, int M, const int* dims, float eps, float scale, 
                 kv_store_token(qkv + (size_t)m * n_qkv, nh, nkv, hd, cos_rows[m], sin_rows[m], &kv, pos[m]);
             }
             team_sync(&bar);
-            /* units: (row, query head), or (row, KV head) with its query heads sharing each K and V row's
-             * conversion when there are enough of them to keep every thread busy; the same bits either way */
-            const int by_group = group_mode && M * nkv >= 2 * T, per = by_group ? nkv : nh;
-            for (int u = M * per * t / T; u < M * per * (t + 1) / T; u++) {
-                const int m = u / per, h = u % per;
-                paged_kv kv = {kv_pools[4 * l], kv_pools[4 * l + 1], (float*)kv_pools[4 * l + 2],
-                               (float*)kv_pools[4 * l + 3], tables + (one_sequence ? 0 : (size_t)m * table_stride),
-                               dims[7], dims[8], dims[9]};
-                if (by_group)
-                    attend_group(qkv + (size_t)m * n_qkv, nh, nkv, cos_rows[m], sin_rows[m], &kv, pos[m], scale, h,
-                                 attn + (size_t)m * nh * hd, scores + (size_t)m * n_scores, (size_t)max_pos + 1);
-                else
+            /* units: (part, query head) in order; a thread's consecutive units of one part and one KV head
+             * are one attend_rows pass (each K and V row read once for all of them); the same bits per
+             * (row, head) however the units fall. Other caches: (row, query head) units, attend_head. */
+            if (group_mode) {
+                const int U = nparts * nh, u1 = U * (t + 1) / T;
+                for (int u = U * t / T; u < u1;) {
+                    const int p = u / nh, h = u % nh, j = h / G;
+                    const int end = u1 < p * nh + (j + 1) * G ? u1 : p * nh + (j + 1) * G;
+                    const int last = part0[p] + partn[p] - 1;
+                    paged_kv kv = {kv_pools[4 * l], kv_pools[4 * l + 1], (float*)kv_pools[4 * l + 2],
+                                   (float*)kv_pools[4 * l + 3],
+                                   tables + (one_sequence ? 0 : (size_t)last * table_stride), dims[7], dims[8],
+                                   dims[9]};
+                    attend_rows(qkv, n_qkv, nh, nkv, cos_rows, sin_rows, pos, part0[p], partn[p], h - j * G,
+                                end - p * nh - j * G, &kv, scale, j, attn, scores, n_scores, (size_t)max_pos + 1);
+                    u = end;
+                }
+            } else {
+                for (int u = M * nh * t / T; u < M * nh * (t + 1) / T; u++) {
+                    const int m = u / nh, h = u % nh;
+                    paged_kv kv = {kv_pools[4 * l], kv_pools[4 * l + 1], (float*)kv_pools[4 * l + 2],
+                                   (float*)kv_pools[4 * l + 3], tables + (one_sequence ? 0 : (size_t)m * table_stride),
+                                   dims[7], dims[8], dims[9]};
                     attend_head(qkv + (size_t)m * n_qkv, nh, nkv, hd, cos_rows[m], sin_rows[m], &kv, pos[m], scale,
                                 h, attn + ((size_t)m * nh + h) * hd,
                                 scores + (size_t)m * n_scores + (size_t)h * (max_pos + 1));
+                }
             }
             team_sync(&bar);
             if ((rc = team_gemm(lk[1], arith, lw[1], dim, nh * hd, attn, M, o, ws, t, &bar))) break;
@@ -622,6 +675,7 @@ static int layers(int n_layers, int M, const int* dims, float eps, float scale, 
         if (t == 0) rc_all = rc;
     }
     free(ws);
+    free(part0);
     return rc_all;
 }
 

@@ -130,6 +130,41 @@ def test_batched_fused_step_rows_equal_single_steps_exactly(model_path, prose, k
     assert torch.equal(again[0], single[1][0])
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_drafts_sharing_attention_reads_equal_single_steps_exactly(model_path, prose, threads):
+    """A token and its drafts (consecutive positions of one sequence, as the engine batches them) attend in
+    one pass that reads each K/V row once for all of them; beside other sequences, and as a chunk of one
+    sequence, every row's logits equal the one-token step at its position bit for bit, whatever the
+    thread split (a pass may hold part of a KV head's query heads)."""
+    from edge_runtime.model.tokenizer import Tokenizer
+
+    model, gf = load_model(model_path, quant="gguf")
+    ids = Tokenizer.from_metadata(gf.metadata).encode(prose)
+    model.allocate_cache(256, num_blocks=48, block_size=16, kv_dtype="fp16")
+    order = torch.randperm(48, generator=torch.Generator().manual_seed(2)).tolist()
+    tables = {"a": order[0:12], "b": order[12:20], "c": order[20:48]}
+    lengths = {"a": 37, "b": 5, "c": 90}
+    rows = {"a": ids[100:104], "b": ids[104:105], "c": ids[105:107]}  # a token and 3, 0 and 1 drafts
+    assert model.enable_fused(cpu_gemv.library())
+    cpu_gemv.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            for key, off in zip("abc", (0, 7, 3)):
+                model(torch.tensor(ids[off:off + lengths[key]]), 0, block_table=tables[key])
+            single = {key: torch.cat([model.fused.step(t, lengths[key] + i, tables[key])
+                                      for i, t in enumerate(rows[key])]) for key in "abc"}
+            order_rows = [(key, i) for key in "abc" for i in range(len(rows[key]))]
+            batched = model.fused.step_batch([rows[k][i] for k, i in order_rows],
+                                             [lengths[k] + i for k, i in order_rows],
+                                             [tables[k] for k, _ in order_rows])
+            chunk = model.fused.step_chunk(rows["a"], lengths["a"], tables["a"])
+    finally:
+        cpu_gemv.set_num_threads(0)
+    for row, (key, i) in enumerate(order_rows):
+        assert torch.equal(batched[row], single[key][i]), (key, i)
+    assert torch.equal(chunk, single["a"])
+
+
 @pytest.mark.parametrize("arith", ["int8", "exact"])
 def test_step_does_not_depend_on_the_thread_count(model_path, prose, arith):
     """A step is one parallel region whose threads split every phase (GEMM rows, attention heads, SiLU
