@@ -240,7 +240,7 @@ class BatchEngine:
         with self.step_lock:
             logits = self.runner.run(out.chunks, out.copies)
         if self.drafter is not None:
-            self.drafter.observe_step(self.runner.decode_rows, self.runner.decode_seconds)
+            self.drafter.observe_step(self.runner.decode_rows, self.runner.decode_seconds, self.runner.decode_sequences)
         self.num_steps += 1
         self.max_sequences = max(self.max_sequences, len(out.chunks))
         num_sampled = 0

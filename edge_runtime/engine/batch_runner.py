@@ -40,7 +40,8 @@ class BatchRunner:
         # to 64 rows as row-by-row GEMVs, so packing them changes no row's result
         self.varlen_max_tokens = 64
         self.hidden: list[torch.Tensor | None] = []  # per chunk of the last run: what the head read [rows, dim]
-        self.decode_rows = self.decode_seconds = 0  # of the last run: its decode calls' rows and time
+        # of the last run: its decode calls' rows, sequences and time
+        self.decode_rows = self.decode_sequences = self.decode_seconds = 0
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk], copies=()) -> list[torch.Tensor | None]:
@@ -69,7 +70,7 @@ class BatchRunner:
                 small.append(i)
         if small:
             self._varlen(chunks, small, out)
-        self.decode_rows, self.decode_seconds = 0, 0.0
+        self.decode_rows, self.decode_sequences, self.decode_seconds = 0, 0, 0.0
         for group in self._groups(chunks, decodes):
             ids = [t for i in group for t in chunks[i].token_ids]
             positions = [p for i in group for p in range(chunks[i].start, chunks[i].start + chunks[i].num_rows)]
@@ -78,6 +79,7 @@ class BatchRunner:
             logits = self.decode(ids, positions, tables)
             self.decode_seconds += time.perf_counter() - t0
             self.decode_rows += len(ids)
+            self.decode_sequences += len(group)
             hidden = model.fused.batch_hidden if model.fused is not None else self._torch_hidden
             row = 0
             for i in group:

@@ -119,6 +119,6 @@ class StepDrafter:
             if scheduler.add_drafts(chunk, drafts):
                 budget -= len(drafts)
 
-    def observe_step(self, rows: int, seconds: float) -> None:
+    def observe_step(self, rows: int, seconds: float, sequences: int | None = None) -> None:
         if rows:
-            self.planner.cost.observe(rows, seconds)
+            self.planner.cost.observe(rows, seconds, sequences)

@@ -2,8 +2,8 @@
 
 The engine verifies drafts as extra rows of its batched decode step (engine/batch_engine.py): a
 sequence with k drafts adds k rows, each computed exactly as a one-token step. Rows are not free:
-a step of R rows costs t(R) (`StepCost`, measured on the engine's own decode calls, a prior until
-then), and t(R) grows faster once the rows stop sharing the weight stream (on a 2-core AVX-512
+a step of R rows costs t(R) (`StepCost`, measured on the engine's own decode calls for the number of
+sequences they carried, a prior until then), and t(R) grows faster once the rows stop sharing the weight stream (on a 2-core AVX-512
 CPU: t(4)/t(1) = 1.3, t(8)/t(1) = 2.3, t(16)/t(1) = 4.3). A sequence whose drafts are accepted at
 rate a turns k drafts into 1 + a + ... + a^k tokens in expectation (`Acceptance`).
 
@@ -40,7 +40,10 @@ class Acceptance:
 
 
 class StepCost:
-    """t(R): seconds of a decode call of R rows, a running average per R as steps are measured.
+    """t(R): seconds of a decode call of R rows, a running average per R as steps are measured, and per
+    (sequences, R): a token's drafts share their sequence's attention reads (kernels/cpu_decode.c), so R
+    rows of one sequence cost less than R rows of R sequences, and the planner asks for the step it is
+    about to make. A (sequences, R) with no measurement of that many sequences falls back to t(R).
 
     Unmeasured row counts are interpolated between measured neighbours, or extrapolated from the
     nearest measured one along the prior shape t(R) ~ 1 + slope (R - 1)."""
@@ -48,26 +51,36 @@ class StepCost:
     def __init__(self, max_rows: int, slope: float = 0.15, weight: float = 0.2):
         self.max_rows, self.slope, self.weight = max_rows, slope, weight
         self.seconds: dict[int, float] = {}
+        self.by_sequences: dict[int, dict[int, float]] = {}
 
     def _prior(self, rows: int) -> float:
         return 1.0 + self.slope * (rows - 1)
 
-    def observe(self, rows: int, seconds: float) -> None:
-        old = self.seconds.get(rows)
-        self.seconds[rows] = seconds if old is None else (1 - self.weight) * old + self.weight * seconds
+    def _average(self, table: dict[int, float], rows: int, seconds: float) -> None:
+        old = table.get(rows)
+        table[rows] = seconds if old is None else (1 - self.weight) * old + self.weight * seconds
 
-    def __call__(self, rows: int) -> float:
-        if rows in self.seconds:
-            return self.seconds[rows]
-        below = max((r for r in self.seconds if r < rows), default=None)
-        above = min((r for r in self.seconds if r > rows), default=None)
+    def observe(self, rows: int, seconds: float, sequences: int | None = None) -> None:
+        self._average(self.seconds, rows, seconds)
+        if sequences:
+            self._average(self.by_sequences.setdefault(sequences, {}), rows, seconds)
+
+    def _estimate(self, table: dict[int, float], rows: int) -> float:
+        if rows in table:
+            return table[rows]
+        below = max((r for r in table if r < rows), default=None)
+        above = min((r for r in table if r > rows), default=None)
         if below is not None and above is not None:
             f = (rows - below) / (above - below)
-            return (1 - f) * self.seconds[below] + f * self.seconds[above]
+            return (1 - f) * table[below] + f * table[above]
         near = below if below is not None else above
         if near is None:
             return self._prior(rows)
-        return self.seconds[near] * self._prior(rows) / self._prior(near)
+        return table[near] * self._prior(rows) / self._prior(near)
+
+    def __call__(self, rows: int, sequences: int | None = None) -> float:
+        table = self.by_sequences.get(sequences) if sequences else None
+        return self._estimate(table if table else self.seconds, rows)
 
 
 class DraftPlanner:
@@ -81,9 +94,9 @@ class DraftPlanner:
         n = len(acceptances)
         limits = [max(0, min(limit, self.k_max)) for limit in limits]
         k = [0] * n
-        rows = n + other_rows
+        rows = sequences = n + other_rows
         tokens = float(rows)
-        best, best_rate = list(k), tokens / self.cost(rows)
+        best, best_rate = list(k), tokens / self.cost(rows, sequences)
         while rows < self.max_rows:
             gains = [acceptances[j].alpha ** (k[j] + 1) if k[j] < limits[j] else -1.0 for j in range(n)]
             j = max(range(n), key=gains.__getitem__, default=None)
@@ -92,7 +105,7 @@ class DraftPlanner:
             k[j] += 1
             rows += 1
             tokens += gains[j]
-            rate = tokens / self.cost(rows)
+            rate = tokens / self.cost(rows, sequences)
             if rate > best_rate * 1.02:  # a marginal gain is not worth the risk of a noisy estimate
                 best, best_rate = list(k), rate
         rows = n + other_rows + sum(best)

@@ -73,6 +73,26 @@ def test_step_cost_interpolates_and_extrapolates_along_the_prior():
     assert c(2) == pytest.approx(0.8 * 0.004 + 0.2 * 0.006)
 
 
+def test_step_cost_is_kept_per_number_of_sequences():
+    """A token's drafts share their sequence's attention reads, so rows of one sequence are measured apart
+    from rows of several; a count of sequences never measured falls back to the cost by rows alone."""
+    c = StepCost(16)
+    c.observe(1, 0.005, sequences=1)
+    c.observe(4, 0.007, sequences=1)  # a token and 3 drafts
+    c.observe(4, 0.020, sequences=4)  # four sequences at long contexts
+    assert c(4, 1) == pytest.approx(0.007)
+    assert c(4, 4) == pytest.approx(0.020)
+    assert c(2, 1) == pytest.approx(0.005 + (0.007 - 0.005) / 3)
+    assert c(4, 2) == pytest.approx(c(4)) == pytest.approx(0.8 * 0.007 + 0.2 * 0.020)
+    # the planner asks for the step it would make: a lone sequence drafts on its own measurements
+    p = DraftPlanner(16)
+    for rows, seconds, seqs in ((1, 0.005, 1), (4, 0.0055, 1), (4, 0.020, 4), (5, 0.030, 4), (8, 0.045, 4)):
+        for _ in range(5):
+            p.cost.observe(rows, seconds, seqs)
+    assert p.plan([Acceptance(alpha=0.8)], [5])[0] >= 3
+    assert p.plan([Acceptance(alpha=0.8)] * 4, [5] * 4) == [0, 0, 0, 0]
+
+
 def test_acceptance_moves_toward_what_is_observed():
     a = Acceptance(alpha=0.5)
     for _ in range(20):
