@@ -714,3 +714,57 @@ void decode_kv_store_rows(void* pool, float* scales, int kind, int rotated, cons
         for (int j = 0; j < nkv; j++)
             kv_store(pool, scales, kind, rotated, (size_t)slots[t], nkv, j, hd, x + ((size_t)t * nkv + j) * hd);
 }
+
+/* out[m] = the index of row m's largest value (x [M, N] fp32), as torch.argmax: the first one on ties,
+ * and the first NaN if the row has one. The engine's greedy tokens for a whole step in one call. */
+void rows_argmax(const float* x, int M, int N, int64_t* out) {
+    for (int m = 0; m < M; m++) {
+        const float* r = x + (size_t)m * N;
+        int best = 0, i = 0;
+#if defined(__AVX2__)
+        if (N >= 8) { /* the maximum (any NaN makes the row take the scalar search below) */
+            __m256 mx = _mm256_loadu_ps(r), nan = _mm256_cmp_ps(mx, mx, _CMP_UNORD_Q);
+            for (i = 8; i + 8 <= N; i += 8) {
+                const __m256 v = _mm256_loadu_ps(r + i);
+                nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+                mx = _mm256_max_ps(mx, v);
+            }
+            float lanes[8], top;
+            _mm256_storeu_ps(lanes, mx);
+            top = lanes[0];
+            for (int l = 1; l < 8; l++) top = lanes[l] > top ? lanes[l] : top;
+            for (int k = i; k < N; k++) top = r[k] > top ? r[k] : top;
+            if (!_mm256_movemask_ps(nan)) {
+                int k = 0;
+                const __m256 t = _mm256_set1_ps(top);
+                for (; k + 8 <= N; k += 8) {
+                    const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(r + k), t, _CMP_EQ_OQ));
+                    if (hit) break;
+                }
+                while (k < N && !(r[k] == top) && !(r[k] != r[k])) k++;
+                if (k < N && !(r[k] != r[k])) {
+                    out[m] = k;
+                    continue;
+                }
+            }
+            i = 0;
+        }
+#endif
+        float top = r[0];
+        if (top != top) {
+            out[m] = 0;
+            continue;
+        }
+        for (i = 1; i < N; i++) {
+            if (r[i] != r[i]) {
+                best = i;
+                break;
+            }
+            if (r[i] > top) {
+                top = r[i];
+                best = i;
+            }
+        }
+        out[m] = best;
+    }
+}

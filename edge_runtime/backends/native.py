@@ -28,6 +28,7 @@ import torch
 
 from kernels.kv_cache import PagedKVCache
 
+from edge_runtime.backends.loop_mail import LoopMail
 from edge_runtime.engine import sampling_defaults
 from edge_runtime.engine.block_manager import BlockManager
 from edge_runtime.model.chat_template import ChatTemplate
@@ -341,13 +342,13 @@ class NativeBackend(Backend):
         travel in the stream. Leaving early cancels the request, which frees its KV blocks at once."""
         if prefix is not None:
             request.prefix = prefix
-        loop = asyncio.get_running_loop()
+        mail = LoopMail.of(asyncio.get_running_loop())
         events: asyncio.Queue = asyncio.Queue()
         rid = None
 
         def sink(ev: StreamEvent) -> None:  # on the engine thread
             try:
-                loop.call_soon_threadsafe(events.put_nowait, ev)
+                mail.post(events.put_nowait, ev)
             except RuntimeError:  # the loop is gone: nobody is listening any more
                 self.engine.cancel(rid)
 

@@ -244,8 +244,8 @@ class BatchEngine:
         self.num_steps += 1
         self.max_sequences = max(self.max_sequences, len(out.chunks))
         num_sampled = 0
-        for chunk, job, rows, hidden in zip(out.chunks, jobs, logits, self.runner.hidden):
-            sampled = [] if rows is None or job is None or job.done else self._sample(job, chunk, rows)
+        for chunk, job, rows, hidden, best in zip(out.chunks, jobs, logits, self.runner.hidden, self.runner.argmax):
+            sampled = [] if rows is None or job is None or job.done else self._sample(job, chunk, rows, best)
             before, finish = chunk.seq.num_tokens, None
             for i, token in enumerate(sampled):
                 job.hidden = hidden[i] if hidden is not None else None
@@ -272,12 +272,17 @@ class BatchEngine:
         return out.num_tokens
 
     @staticmethod
-    def _sample(job: Job, chunk, rows: torch.Tensor) -> list[int]:
+    def _sample(job: Job, chunk, rows: torch.Tensor, best: list[int] | None = None) -> list[int]:
         """The chunk's next tokens: one from each row while the token drawn equals the draft that row followed
-        (exactly the draws of plain decoding, which would have computed that row next)."""
+        (exactly the draws of plain decoding, which would have computed that row next). best: the rows'
+        argmax when the runner computed it, which is plain greedy's token."""
         history, sampled = chunk.seq.token_ids, []
+        plain = best is not None and job.completion.sampler.plain_greedy
         for i in range(len(chunk.drafts) + 1):
-            sampled.append(job.completion.sample(rows[i], history + sampled if sampled else history))
+            if plain:
+                sampled.append(best[i])
+            else:
+                sampled.append(job.completion.sample(rows[i], history + sampled if sampled else history))
             if i == len(chunk.drafts) or sampled[-1] != chunk.drafts[i]:
                 break
         return sampled

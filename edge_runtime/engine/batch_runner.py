@@ -40,6 +40,7 @@ class BatchRunner:
         # to 64 rows as row-by-row GEMVs, so packing them changes no row's result
         self.varlen_max_tokens = 64
         self.hidden: list[torch.Tensor | None] = []  # per chunk of the last run: what the head read [rows, dim]
+        self.argmax: list[list[int] | None] = []  # per decode chunk of the last run: each row's argmax
         # of the last run: its decode calls' rows, sequences and time
         self.decode_rows = self.decode_sequences = self.decode_seconds = 0
 
@@ -53,6 +54,7 @@ class BatchRunner:
             model.kv.copy_blocks(copies)
         out: list[torch.Tensor | None] = [None] * len(chunks)
         self.hidden = [None] * len(chunks)
+        self.argmax = [None] * len(chunks)
         decodes = [i for i, c in enumerate(chunks) if c.end - c.start == 1]
         small: list[int] = []  # prefill chunks packed into one variable-length forward
         for i, c in enumerate(chunks):
@@ -81,10 +83,14 @@ class BatchRunner:
             self.decode_rows += len(ids)
             self.decode_sequences += len(group)
             hidden = model.fused.batch_hidden if model.fused is not None else self._torch_hidden
+            logits = logits.float().cpu()
+            # every row's argmax in one call (greedy sampling reads it)
+            best = model.fused.argmax(logits) if model.fused is not None else logits.argmax(dim=-1).tolist()
             row = 0
             for i in group:
                 n = chunks[i].num_rows
-                out[i], self.hidden[i] = logits[row:row + n].float().cpu(), hidden[row:row + n].float().cpu()
+                out[i], self.hidden[i] = logits[row:row + n], hidden[row:row + n].float().cpu()
+                self.argmax[i] = best[row:row + n]
                 row += n
         return out
 

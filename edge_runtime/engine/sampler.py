@@ -22,6 +22,13 @@ class Sampler:
         else:
             self.generator.seed()
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with no repetition penalty: the token is the logits' argmax (the first, on ties), so a
+        caller may take it from one argmax over a whole batch of rows (the engine does)."""
+        p = self.params
+        return p.greedy and (p.repetition_penalty == 1.0 or p.repeat_last_n == 0)
+
     def apply_penalty(self, logits: torch.Tensor, history: list[int]) -> torch.Tensor:
         p = self.params
         if p.repetition_penalty == 1.0 or not history or p.repeat_last_n == 0:

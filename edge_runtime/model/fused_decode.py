@@ -113,11 +113,13 @@ class FusedDecoder:
         x, scratch, pos_arr, cos, sin, dims = self._rows(token_ids, positions)
         bs = m.kv.block_size
         stride = max(p // bs + 1 for p in positions)
-        tables = torch.zeros(num, stride, dtype=torch.int32)
-        for row, (table, pos) in enumerate(zip(block_tables, positions)):
+        flat: list[int] = []  # the rows' tables padded to one width, made into a tensor in one call
+        for table, pos in zip(block_tables, positions):
             n = pos // bs + 1
             assert len(table) >= n, "each block table must cover its new position"
-            tables[row, :n] = torch.tensor(table[:n], dtype=torch.int32)
+            flat += table[:n]
+            flat += [0] * (stride - n)
+        tables = torch.tensor(flat, dtype=torch.int32)
         rc = self.lib.decode_layers_batch(cfg.num_layers, num, dims, self.eps, self.scale, self.w_ptrs, self.kinds,
                                           self.norm_ptrs, self.kv_ptrs, tables.data_ptr(), stride, pos_arr, cos, sin,
                                           x.data_ptr(), scratch.data_ptr())
@@ -158,6 +160,14 @@ class FusedDecoder:
         self.chunk_hidden = torch.cat(hidden)  # [T, dim]: what the head read
         m.last_hidden = self.chunk_hidden[-1]
         return torch.cat(outs) if head == "all" else m.output(self.chunk_hidden[-1:]).float()
+
+    def argmax(self, logits: torch.Tensor) -> list[int]:
+        """Each row's argmax of fp32 logits [M, vocab] in one C call (torch.argmax's index: the first on
+        ties, the first NaN if any)."""
+        logits = logits.float().contiguous()
+        out = torch.empty(logits.shape[0], dtype=torch.int64)
+        self.lib.rows_argmax(logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr())
+        return out.tolist()
 
     @staticmethod
     def exact_prefill() -> bool:

@@ -198,3 +198,22 @@ def test_step_does_not_depend_on_the_thread_count(model_path, prose, arith):
         assert torch.equal(one, outs[0][0])
         assert torch.equal(batch, outs[0][1])
     assert torch.equal(outs[0][1][0], outs[0][0][0])  # row 0 of the batch is the one-token step
+
+
+def test_rows_argmax_is_torch_argmax():
+    """The engine's greedy tokens for a step come from one C call: the same index as torch.argmax on every
+    row, ties (the first), NaN (the first NaN), all -inf and +inf rows included, at lengths around the
+    8-lane vector width and at the vocabulary's."""
+    from edge_runtime.model.fused_decode import FusedDecoder
+
+    argmax = FusedDecoder.argmax.__get__(type("D", (), {"lib": cpu_gemv.library()})())
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 3, 7, 8, 9, 15, 16, 17, 100, 49152):
+        x = torch.randn(6, n, generator=g)
+        x[1] = torch.randint(0, 3, (n,), generator=g).float()
+        if n > 2:
+            x[2, n // 2] = x[2, n - 1] = float("nan")
+        x[3] = float("-inf")
+        x[4, 0] = x[4, -1] = float("inf")
+        x[5] = -x[5].abs() - 1.0
+        assert argmax(x) == x.argmax(dim=-1).tolist(), n
