@@ -354,3 +354,61 @@ def test_a_worker_with_ngram_drafts_answers_as_without(worker, solo):
     assert joined(grounded) == joined(reference) and joined(grounded)[1]
     for i in range(3):
         assert joined(together[f"c{i}"])[:2] == solo[i][:2]
+
+
+def test_every_terminal_path_carries_the_documented_fields(worker):
+    """docs/protocol.md's terminal frames, each with every field it lists: `done` {type, id, finish_reason,
+    usage {prompt_tokens, completion_tokens}} after a natural end, a stop string, max_tokens and cancel;
+    `error` {type, id, code, message} for a bad request and for a resume once a dropped stream's grace
+    period is over (a worker with a 1 s grace)."""
+    def check_done(frame, reason, id):
+        assert frame["type"] == "done" and frame["id"] == id and frame["finish_reason"] == reason, frame
+        assert {"type", "id", "finish_reason", "usage"} <= set(frame)
+        assert set(frame["usage"]) >= {"prompt_tokens", "completion_tokens"}
+        assert frame["usage"]["prompt_tokens"] > 0
+
+    async def go():
+        ws, _ = await open_raw(worker)
+        await ws.send(gen("natural", "Reply with one word: what color is the sky?", max_tokens=200))
+        natural = (await collect(ws, {"natural"}))["natural"]
+        words = joined(natural)[0].split()
+        await ws.send(gen("stopped", "Reply with one word: what color is the sky?", max_tokens=200, stop=[words[2]]))
+        stopped = (await collect(ws, {"stopped"}))["stopped"]
+        await ws.send(gen("short", "What is the capital of France?", max_tokens=3))
+        short = (await collect(ws, {"short"}))["short"]
+        await ws.send(gen("gone", "Tell me a very long story about a dragon.", max_tokens=400))
+        assert json.loads(await ws.recv())["type"] == "delta"
+        await ws.send(json.dumps({"type": "cancel", "id": "gone"}))
+        cancelled = (await collect(ws, {"gone"}))["gone"]
+        await ws.send(gen("bad", "Hi", temperature=-1))
+        bad = json.loads(await ws.recv())
+        await ws.close()
+        return natural, words, stopped, short, cancelled, bad
+    natural, words, stopped, short, cancelled, bad = run(go())
+    check_done(natural[-1], "stop", "natural")
+    assert natural[-1]["usage"]["completion_tokens"] < 200
+    check_done(stopped[-1], "stop", "stopped")
+    assert words[2] not in joined(stopped)[0] and joined(natural)[0].startswith(joined(stopped)[0])
+    check_done(short[-1], "length", "short")
+    assert short[-1]["usage"]["completion_tokens"] == 3
+    check_done(cancelled[-1], "cancelled", "gone")
+    assert bad["type"] == "error" and bad["id"] == "bad" and bad["code"] == "invalid_request" and bad["message"]
+
+    brief = WorkerProcess("--resume-grace", "1")
+    try:
+        async def expire():
+            ws, _ = await open_raw(brief)
+            await ws.send(gen("lost", "Tell me a very long story about a castle.", max_tokens=400))
+            await ws.recv()
+            ws.transport.abort()
+            await asyncio.sleep(2.5)  # past the grace period
+            ws2, _ = await open_raw(brief)
+            await ws2.send(json.dumps({"type": "resume", "id": "lost", "after_seq": 0}))
+            frame = json.loads(await ws2.recv())
+            await ws2.close()
+            return frame
+        expired = run(expire())
+    finally:
+        brief.stop()
+    assert expired["type"] == "error" and expired["id"] == "lost" and expired["code"] == "unknown_stream"
+    assert expired["message"]

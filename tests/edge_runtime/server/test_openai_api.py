@@ -167,3 +167,41 @@ def test_max_tokens_beyond_the_context_is_refused_up_front(client, model):
         client.chat.completions.create(model=model, messages=QUESTION, max_tokens=10**6)
     assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "max_tokens"
     assert "lower max_tokens to" in e.value.body["message"]
+
+
+def test_every_sse_terminal_path_carries_the_documented_fields(gw, model):
+    """Raw SSE on each way a streamed answer ends: a natural end and a stop string (finish_reason "stop"),
+    max_tokens ("length"). The finishing chunk carries finish_reason, x_source and x_usage_by_source; with
+    include_usage a usage chunk follows (no choices; prompt, completion and total tokens); then [DONE].
+    (A client that leaves instead cancels the answer: test_a_client_that_disconnects_cancels_its_generation.)"""
+    sky = [{"role": "user", "content": "Reply with one word: what color is the sky?"}]
+
+    def stream(**body):
+        with httpx.stream("POST", gw.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                          json={"model": model, "messages": sky, "temperature": 0, "stream": True,
+                                "stream_options": {"include_usage": True}, **body}, timeout=60) as r:
+            assert r.status_code == 200
+            lines = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "[DONE]"
+        chunks = [json.loads(x) for x in lines[:-1]]
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+        return chunks, text
+
+    natural, text = stream(max_tokens=200)
+    words = text.split()
+    stopped, stopped_text = stream(max_tokens=200, stop=[words[2]])
+    short, _ = stream(max_tokens=3)
+    for chunks, reason in ((natural, "stop"), (stopped, "stop"), (short, "length")):
+        finishing = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+        assert len(finishing) == 1 and finishing[0]["choices"][0]["finish_reason"] == reason
+        fin = finishing[0]
+        assert fin["x_source"] == "local" and set(fin["x_usage_by_source"]) == {"local"}
+        usage = chunks[-1]
+        assert usage["choices"] == [] and chunks.index(fin) == len(chunks) - 2
+        u = usage["usage"]
+        assert u["prompt_tokens"] > 0 and u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+        assert fin["x_usage_by_source"]["local"]["completion_tokens"] == u["completion_tokens"]
+        assert all(c["id"] == chunks[0]["id"] and c["object"] == "chat.completion.chunk" and c["model"] == model
+                   for c in chunks)
+    assert natural[-1]["usage"]["completion_tokens"] < 200 and short[-1]["usage"]["completion_tokens"] == 3
+    assert words[2] not in stopped_text and text.startswith(stopped_text)
