@@ -412,3 +412,25 @@ def test_every_terminal_path_carries_the_documented_fields(worker):
         brief.stop()
     assert expired["type"] == "error" and expired["id"] == "lost" and expired["code"] == "unknown_stream"
     assert expired["message"]
+
+
+def test_a_worker_with_mtp_drafts_answers_as_without(worker, solo):
+    """--draft mtp: the worker drafts with the MTP heads shipped for its model (drafts verified, counted on
+    /metrics), and its answers, three at once, are token for token the plain worker's."""
+    w = WorkerProcess("--max-prompt-tokens", "300", "--max-tokens", "400", "--draft", "mtp")
+    try:
+        async def go():
+            ws, _ = await open_raw(w)
+            for i, p in enumerate(PROMPTS[:3]):
+                await ws.send(gen(f"m{i}", p))
+            together = await collect(ws, {f"m{i}" for i in range(3)})
+            await ws.close()
+            return together
+        together = run(go())
+        m = w.metrics()
+    finally:
+        w.stop()
+    assert m["edge_worker_draft_verifications_total"] > 0
+    for i in range(3):
+        assert together[f"m{i}"][-1]["type"] == "done"
+        assert joined(together[f"m{i}"]) == solo[i][:2], f"prompt {i} changed with MTP drafts"
