@@ -25,6 +25,7 @@ import contextlib
 import itertools
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -194,10 +195,29 @@ class BatchEngine:
             with self._wake:
                 while not self._commands and not self.scheduler.has_work and not self._stop.is_set():
                     self._wake.wait()
-            if not self.step():  # nothing could run (e.g. held streams fill the cache): wait for a command
+            try:
+                ran = self.step()
+            except Exception as e:  # a bug: what is in flight fails with an error instead of waiting forever
+                traceback.print_exc()
+                self._fail_all(e)
+                continue
+            if not ran:  # nothing could run (e.g. held streams fill the cache): wait for a command
                 with self._wake:
                     if not self._commands:
                         self._wake.wait(0.05)
+
+    def _fail_all(self, e: Exception) -> None:
+        """Every job in flight ends with an `error` event (code "internal") and gives its KV blocks back; the
+        prefix cache is dropped (a failed step may have written blocks half-way). Later requests run."""
+        for job in list(self.jobs.values()):
+            job.done = True
+            with contextlib.suppress(Exception):
+                self.scheduler.finish(job.seq)
+            self.jobs.pop(job.id, None)
+            self._by_seq.pop(job.seq.seq_id, None)
+            job.sink(StreamEvent("error", seq=job.next_seq, error=f"internal error in the engine: {e!r}",
+                                 source=self.source, info={"code": "internal"}))
+        self.blocks.reset_prefix_cache()
 
     # --- the engine thread ------------------------------------------------------------------------
     def _apply_commands(self) -> None:
