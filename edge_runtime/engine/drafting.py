@@ -27,13 +27,9 @@ MAX_DRAFTS = 7
 
 @dataclass(eq=False)
 class JobDrafts:
-    """One job's drafting state: its proposer, acceptance estimate and counters. An n-gram job also keeps
-    an estimate per match order (`by_order`; `pending`: the order of the drafts in flight): on bench spec's
-    grounded prompts a draft after a 3-token match was taken 84 % of the time, after a 1-token match 20 %."""
+    """One job's drafting state: its proposer, acceptance estimate and counters."""
     proposer: object
     acceptance: Acceptance = field(default_factory=Acceptance)
-    by_order: dict = field(default_factory=dict)
-    pending: int = 0
     steps: int = 0  # decode steps it took part in
     verify_steps: int = 0  # of which carried drafts
     proposed: int = 0
@@ -73,9 +69,8 @@ class StepDrafter:
         self.method, self.mtp, self.fixed_k = method, mtp, fixed_k
         self.planner = DraftPlanner(max_rows, k_max=min(MAX_DRAFTS, max_rows - 1))
         # acceptance over every job so far: where a new job's estimate starts (a short answer would
-        # otherwise spend its few steps paying for drafts a fixed 0.5 guess offered); per match order too
+        # otherwise spend its few steps paying for drafts a fixed 0.5 guess offered)
         self.prior = Acceptance(decay=0.98)
-        self.prior_by_order: dict[int, Acceptance] = {}
 
     def new_job(self) -> JobDrafts:
         return JobDrafts(NgramProposer() if self.method == "ngram" else self.mtp,
@@ -85,25 +80,6 @@ class StepDrafter:
         """One decode step of a job: `accepted` of its `proposed` drafts were taken."""
         drafts.observe(proposed, accepted)
         self.prior.observe(proposed, accepted)
-        if drafts.pending and proposed:
-            self._order_acceptance(drafts, drafts.pending).observe(proposed, accepted)
-            self._order_prior(drafts.pending).observe(proposed, accepted)
-        drafts.pending = 0
-
-    def _order_prior(self, order: int) -> Acceptance:
-        if order not in self.prior_by_order:
-            self.prior_by_order[order] = Acceptance(alpha=self.prior.alpha, decay=0.98)
-        return self.prior_by_order[order]
-
-    def _acceptance(self, job) -> Acceptance:
-        """The estimate the planner prices this job's offer with: its n-gram match order's, else its own."""
-        order = getattr(job.drafts.proposer, "order", 0) if self.method == "ngram" else 0
-        return self._order_acceptance(job.drafts, order) if order else job.drafts.acceptance
-
-    def _order_acceptance(self, drafts: JobDrafts, order: int) -> Acceptance:
-        if order not in drafts.by_order:
-            drafts.by_order[order] = Acceptance(alpha=self._order_prior(order).alpha)
-        return drafts.by_order[order]
 
     def _propose(self, job, k: int) -> list[int]:
         if self.method == "ngram":
@@ -134,16 +110,14 @@ class StepDrafter:
         if self.fixed_k:
             ks = [min(self.fixed_k, limit) for limit in limits]
         else:
-            ks = self.planner.plan([self._acceptance(job) for _, job, _ in cands], limits,
+            ks = self.planner.plan([job.drafts.acceptance for _, job, _ in cands], limits,
                                    other_rows=len(decodes) - len(cands))
         for (chunk, job, offer), k in zip(cands, ks):
             if k <= 0 or budget <= 0:
                 continue
-            order = getattr(job.drafts.proposer, "order", 0) if offer is not None else 0
             drafts = (offer if offer is not None else self._propose(job, k))[:min(k, budget)]
             if scheduler.add_drafts(chunk, drafts):
                 budget -= len(drafts)
-                job.drafts.pending = order
 
     def observe_step(self, rows: int, seconds: float, sequences: int | None = None) -> None:
         if rows:

@@ -25,7 +25,6 @@ class NgramProposer:
         self._ids: list[int] = []
         self._last: dict[tuple, int] = {}  # n-gram -> the index just after its latest occurrence (excluding the tail)
         self._indexed = 0  # positions [0, _indexed) have their n-grams in _last
-        self.order = 0  # the n of the last proposal's match (0: none): longer matches are accepted far more often
 
     def reset(self) -> None:
         self._ids, self._last, self._indexed = [], {}, 0
@@ -46,11 +45,9 @@ class NgramProposer:
             self.reset()
         self._ids = list(context)
         self._index_upto(len(context) - 1)  # n-grams ending at the last token are the query, not the index
-        self.order = 0
         for n in range(min(self.max_n, len(context) - 1), self.min_n - 1, -1):
             start = self._last.get(tuple(context[-n:]))
             if start is not None:
-                self.order = n
                 return context[start:start + k]
         return []
 

@@ -133,31 +133,3 @@ def test_preemption_and_resume_with_drafts_give_the_solo_plain_answers(model_pat
             tiny.unpark("t1")
     assert [out[i] for i in range(len(requests))] == alone
     assert tiny.scheduler.num_preemptions > 0 and tiny.num_verifications > 0
-
-
-def test_ngram_offers_are_priced_with_the_acceptance_of_their_match_order():
-    """A draft after a 3-token match is taken far more often than after a 1-token one (84 % against 20 % on
-    bench spec's grounded prompts), so each job keeps an estimate per match order and the planner prices
-    an offer with the estimate of the order that produced it; what is observed updates that order only."""
-    import types
-
-    from edge_runtime.engine.drafting import StepDrafter
-
-    d = StepDrafter("ngram", 16)
-    job = types.SimpleNamespace(drafts=d.new_job())
-    ids = [5, 6, 7, 8, 9, 1, 2, 3, 5, 6, 7]
-    assert job.drafts.proposer.propose(ids, 3) == [8, 9, 1] and job.drafts.proposer.order == 3
-    high = d._acceptance(job)
-    job.drafts.pending = 3
-    for _ in range(10):
-        d.observe(job.drafts, 3, 3)
-        job.drafts.pending = 3
-    assert job.drafts.proposer.propose(ids + [4, 9], 3) == [1, 2, 3] and job.drafts.proposer.order == 1
-    low = d._acceptance(job)
-    assert low is not high and high.alpha > 0.9
-    job.drafts.pending = 1
-    for _ in range(30):
-        d.observe(job.drafts, 3, 0)
-        job.drafts.pending = 1
-    assert low.alpha < 0.1 and high.alpha > 0.9  # each order learns from its own drafts
-    assert d.prior_by_order[3].alpha > d.prior_by_order[1].alpha  # and so do new jobs' starting points
