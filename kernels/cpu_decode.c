@@ -260,21 +260,6 @@ static inline __m256 exp8_ieee(__m256 x) {
     return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
 }
 
-/* dot(q, k_s) for 8 positions at once (hd = 64, fp16 rows): lane l of acc[s] is dot's acc[l], and the
- * hadd / cross-lane steps below form dot's tree ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)). */
-static inline __m256 dot8_f16_64(const __m256* q, const uint16_t* const* k) {
-    __m256 a[8];
-    for (int s = 0; s < 8; s++) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int c = 0; c < 8; c++)
-            acc = _mm256_add_ps(acc, _mm256_mul_ps(q[c], _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(k[s] + 8 * c)))));
-        a[s] = acc;
-    }
-    const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-    const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-    return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
-}
-
 /* sc[0..n) <- exp(sc - max) (8 lanes at a time, then the rest); returns 1 / their sum, added in order */
 static inline float softmax_exp(float* sc, int n) {
     __m256 mv = _mm256_set1_ps(-INFINITY);
@@ -291,51 +276,15 @@ static inline float softmax_exp(float* sc, int n) {
     return 1.0f / sum;
 }
 
-/* attend_head_hd for hd = 64 and fp16 rows (the default cache), the same arithmetic with the scores of
- * 8 positions, their exps and the output row kept in registers. q: the prepared query. */
-static void attend_f16_64(const float* q, const paged_kv* kv, int nkv, int j, int n, float* sc, float* out) {
-    const int bs = kv->bs;
-    const uint16_t* pool = (const uint16_t*)kv->k;
-#define ROW(p, s) ((p) + (((size_t)kv->table[(s) / bs] * bs + (s) % bs) * nkv + j) * 64)
-    __m256 qv[8];
-    for (int c = 0; c < 8; c++) qv[c] = _mm256_loadu_ps(q + 8 * c);
-    int s = 0;
-    for (; s + 8 <= n; s += 8) {
-        const uint16_t* k[8];
-        for (int i = 0; i < 8; i++) {
-            k[i] = ROW(pool, s + i);
-            if (s + i + 8 < n) { const char* p = (const char*)ROW(pool, s + i + 8); __builtin_prefetch(p); __builtin_prefetch(p + 64); }
-        }
-        _mm256_storeu_ps(sc + s, dot8_f16_64(qv, k));
-    }
-    for (; s < n; s++) {
-        float row[64];
-        kv_load(kv->k, NULL, KV_F16, (size_t)kv->table[s / bs] * bs + s % bs, nkv, j, 64, row);
-        sc[s] = dot(q, row, 64);
-    }
-    const float inv = softmax_exp(sc, n);
-    pool = (const uint16_t*)kv->v;
-    __m256 o[8];
-    for (int c = 0; c < 8; c++) o[c] = _mm256_setzero_ps();
-    for (s = 0; s < n; s++) {
-        const uint16_t* v = ROW(pool, s);
-        if (s + 8 < n) { const char* p = (const char*)ROW(pool, s + 8); __builtin_prefetch(p); __builtin_prefetch(p + 64); }
-        const __m256 p = _mm256_set1_ps(sc[s] * inv);
-        for (int c = 0; c < 8; c++)
-            o[c] = _mm256_add_ps(o[c], _mm256_mul_ps(p, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(v + 8 * c)))));
-    }
-#undef ROW
-    for (int c = 0; c < 8; c++) _mm256_storeu_ps(out + 8 * c, o[c]);
-}
-
-/* attend_f16_64 for Q queries of KV head j at once (query i over positions 0..n[i]-1; kv's block table
+/* Attention for Q queries of KV head j at once, fp16 rows of 64 (query i over positions 0..n[i]-1; kv's block table
  * covers the largest n): the query heads of one KV head, and the rows of one sequence (a token and its
  * drafts: the same positions up to the earlier row's), so every 8 positions' K rows, then V rows, are
  * read and converted to fp32 once into L1 for all of them instead of once per query (at a few hundred
- * tokens of context those reads, not the arithmetic, set attention's cost). Each query gets attend_f16_64's
+ * tokens of context those reads, not the arithmetic, set attention's cost). Each query gets attend_head_hd's
  * operations in its order, so its bits do not depend on the queries it shares a pass with: 8 scores at a
- * time with dot8's tree, positions past its last whole 8 by dot() (the same tree), then its own softmax
- * and its probabilities times V in position order. q: Q prepared queries of 64; sc[i], out[i]: query i's
+ * time with dot()'s tree (hadd and cross-lane steps: ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))),
+ * positions past its last whole 8 by dot(), softmax_exp's exps (exp_ieee's operations on 8 lanes), then
+ * its probabilities times V in position order. q: Q prepared queries of 64; sc[i], out[i]: query i's
  * scores (n[i]) and output (64). */
 static void attend_queries_f16_64(const float* q, int Q, const int* n, const paged_kv* kv, int nkv, int j,
                                   float* const* sc, float* const* out) {
@@ -418,12 +367,6 @@ static inline __attribute__((always_inline)) void attend_head_hd(const float* qk
     const int j = h / (nh / nkv), bs = kv->bs, n = pos + 1;
     float row[512], q[512], o[512];
     prepare_query(qkv + h * HD, HD, cos_row, sin_row, scale, kv->rotated, q);
-#if defined(__AVX2__) && defined(__F16C__)
-    if (HD == 64 && kv->kind == KV_F16) {
-        attend_f16_64(q, kv, nkv, j, n, sc, out);
-        return;
-    }
-#endif
     for (int s = 0; s < n; s++) {
         const size_t slot = (size_t)kv->table[s / bs] * bs + s % bs;
         if (s + KV_PREFETCH < n) {

@@ -14,30 +14,15 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from cloud_fallback.client import WorkerAuthError, WorkerClient, WorkerStreamError
-from tests.cloud_fallback.worker_fixtures import WorkerProcess, collect, joined, open_raw
-
-PROMPTS = ["Write a haiku about the sea.", "What is the capital of France?", "List three colors.",
-           "Explain gravity to a child.", "Name a famous painter.", "Why is the sky blue?"]
+from tests.cloud_fallback.worker_fixtures import (PROMPTS, WorkerProcess, answers_at_once, collect, gen, joined,
+                                                  open_raw, plain_worker, run, solo_runs)
 
 
 @pytest.fixture(scope="module")
 def worker():
-    w = WorkerProcess("--max-prompt-tokens", "300", "--max-tokens", "400", "--resume-grace", "20")
+    w = plain_worker()
     yield w
     w.stop()
-
-
-def gen(id, content=None, prompt=None, **params):
-    frame = {"type": "generate", "id": id, "params": {"max_tokens": 40, "temperature": 0, **params}}
-    if prompt is not None:
-        frame["prompt"] = prompt
-    else:
-        frame["messages"] = [{"role": "user", "content": content}]
-    return json.dumps(frame)
-
-
-def run(coro):
-    return asyncio.run(coro)
 
 
 def wait_for(cond, timeout=30.0):
@@ -52,16 +37,7 @@ def wait_for(cond, timeout=30.0):
 @pytest.fixture(scope="module")
 def solo(worker):
     """Each prompt run alone (one stream in flight at a time): (text, token ids, done)."""
-    async def go():
-        ws, _ = await open_raw(worker)
-        out = {}
-        for i, p in enumerate(PROMPTS):
-            await ws.send(gen(f"solo{i}", p))
-            frames = (await collect(ws, {f"solo{i}"}))[f"solo{i}"]
-            out[i] = (*joined(frames), frames[-1])
-        await ws.close()
-        return out
-    return run(go())
+    return solo_runs(worker)
 
 
 def test_concurrent_greedy_streams_equal_solo_runs(worker, solo):
@@ -304,56 +280,15 @@ def test_preemption_under_a_tiny_kv_budget_gives_identical_outputs(solo):
     preempted (their blocks taken back) and recomputed later, and every answer is still the solo one."""
     w = WorkerProcess("--kv-budget", "7MiB", "--max-batch", "6")
     try:
-        async def go():
-            ws, _ = await open_raw(w)
-            for i, p in enumerate(PROMPTS):
-                await ws.send(gen(f"p{i}", p))
-            frames = await collect(ws, {f"p{i}" for i in range(len(PROMPTS))})
-            await ws.close()
-            return frames
-        frames = run(go())
+        frames = answers_at_once(w, PROMPTS)
         m = w.metrics()
     finally:
         w.stop()
     assert m["edge_worker_preemptions_total"] > 0, "the budget was meant to force preemption"
     assert m["edge_worker_kv_blocks_free"] == 19
     for i in range(len(PROMPTS)):
-        assert frames[f"p{i}"][-1]["type"] == "done"
-        assert joined(frames[f"p{i}"]) == solo[i][:2], f"prompt {i} changed under preemption"
-
-
-def test_a_worker_with_ngram_drafts_answers_as_without(worker, solo):
-    """--draft ngram: a stream that runs alone verifies prompt-lookup drafts (counted on /metrics), and every
-    answer, alone or with company, is token for token the plain worker's (the module's `solo` runs)."""
-    passage = "The library opens at nine and closes at six. Members may borrow five books for three weeks."
-    w = WorkerProcess("--max-prompt-tokens", "300", "--max-tokens", "400", "--draft", "ngram")
-    try:
-        async def go():
-            ws, _ = await open_raw(w)
-            await ws.send(gen("g", f"Repeat this text exactly:\n\n{passage}", max_tokens=40))
-            grounded = (await collect(ws, {"g"}))["g"]
-            for i, p in enumerate(PROMPTS[:3]):  # three at once: each may carry drafts in the shared steps
-                await ws.send(gen(f"c{i}", p))
-            together = await collect(ws, {f"c{i}" for i in range(3)})
-            await ws.close()
-            return grounded, together
-        grounded, together = run(go())
-        m = w.metrics()
-    finally:
-        w.stop()
-    assert m["edge_worker_draft_verifications_total"] > 0 and m["edge_worker_draft_accepted_total"] > 0
-    step_costs = {k: v for k, v in m.items() if k.startswith('edge_worker_step_seconds{rows="')}
-    assert step_costs and all(v > 0 for v in step_costs.values())  # the planner's measured t(R)
-    async def again():  # the module's worker drafts nothing
-        ws, _ = await open_raw(worker)
-        await ws.send(gen("g-plain", f"Repeat this text exactly:\n\n{passage}", max_tokens=40))
-        frames = (await collect(ws, {"g-plain"}))["g-plain"]
-        await ws.close()
-        return frames
-    reference = run(again())
-    assert joined(grounded) == joined(reference) and joined(grounded)[1]
-    for i in range(3):
-        assert joined(together[f"c{i}"])[:2] == solo[i][:2]
+        assert frames[i][-1]["type"] == "done"
+        assert joined(frames[i]) == solo[i][:2], f"prompt {i} changed under preemption"
 
 
 def test_every_terminal_path_carries_the_documented_fields(worker):
@@ -412,25 +347,3 @@ def test_every_terminal_path_carries_the_documented_fields(worker):
         brief.stop()
     assert expired["type"] == "error" and expired["id"] == "lost" and expired["code"] == "unknown_stream"
     assert expired["message"]
-
-
-def test_a_worker_with_mtp_drafts_answers_as_without(worker, solo):
-    """--draft mtp: the worker drafts with the MTP heads shipped for its model (drafts verified, counted on
-    /metrics), and its answers, three at once, are token for token the plain worker's."""
-    w = WorkerProcess("--max-prompt-tokens", "300", "--max-tokens", "400", "--draft", "mtp")
-    try:
-        async def go():
-            ws, _ = await open_raw(w)
-            for i, p in enumerate(PROMPTS[:3]):
-                await ws.send(gen(f"m{i}", p))
-            together = await collect(ws, {f"m{i}" for i in range(3)})
-            await ws.close()
-            return together
-        together = run(go())
-        m = w.metrics()
-    finally:
-        w.stop()
-    assert m["edge_worker_draft_verifications_total"] > 0
-    for i in range(3):
-        assert together[f"m{i}"][-1]["type"] == "done"
-        assert joined(together[f"m{i}"]) == solo[i][:2], f"prompt {i} changed with MTP drafts"
