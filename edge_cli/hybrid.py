@@ -33,7 +33,11 @@ def add_hybrid_args(p) -> None:
 
 
 def make_runtime(args, make_backend) -> HybridRuntime:
-    return HybridRuntime(make_backend(args), _cloud(args), offline=args.offline, route=args.route)
+    """The hybrid runtime the flags ask for, with the response cache in front on commands that have its flags."""
+    from edge_cli.cache import make_cache
+
+    local, cloud = make_backend(args), _cloud(args)
+    return HybridRuntime(local, cloud, offline=args.offline, route=args.route, cache=make_cache(args, local, cloud))
 
 
 def chat_hybrid(args, make_params, make_backend) -> int:

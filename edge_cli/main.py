@@ -266,10 +266,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt")
     g.set_defaults(func=cmd_generate)
 
+    from edge_cli.cache import add_cache_args, register as add_cache
+
     c = sub.add_parser("chat", help="interactive streaming assistant (/reset, /quit)")
     _add_model_args(c)
     _add_sampling_args(c, interactive=True)
     add_hybrid_args(c)
+    add_cache_args(c)
     c.set_defaults(func=cmd_chat, max_tokens=512)
 
     p = sub.add_parser("perplexity", help="perplexity of a UTF-8 text file")
@@ -301,8 +304,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP API and WebSocket stream over the hybrid runtime")
     _add_model_args(sv)
     add_hybrid_args(sv)
+    add_cache_args(sv)
     add_serve_args(sv)
     sv.set_defaults(func=cmd_serve)
+    add_cache(sub)
 
     from edge_cli.demo import add_demo_args
 

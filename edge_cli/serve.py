@@ -10,8 +10,10 @@ from edge_runtime.errors import EdgeRuntimeError
 def add_serve_args(p) -> None:
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default loopback only)")
     p.add_argument("--port", type=int, default=8080, help="TCP port (0 picks a free one)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or --api-key-file)")
-    p.add_argument("--api-key-file", default=None, help="file holding the API key")
+    p.add_argument("--api-key", action="append", default=None,
+                   help="require 'Authorization: Bearer KEY' (repeatable: each key is a tenant of the response cache; "
+                        "or --api-key-file)")
+    p.add_argument("--api-key-file", default=None, help="file holding the API keys, one per line")
     p.add_argument("--max-in-flight", type=int, default=8, help="requests generating at once; more get 429")
     p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request gives none")
     p.add_argument("--model-id", default=None, help="the id /v1/models reports (default: the model file's name)")
@@ -22,14 +24,15 @@ def add_serve_args(p) -> None:
                    help="seconds a /v1/stream stream outlives its connection (resumable meanwhile)")
 
 
-def _api_key(args) -> str | None:
+def _api_keys(args) -> list[str]:
+    keys = list(args.api_key or [])
     if args.api_key_file:
         try:
             with open(args.api_key_file, encoding="utf-8") as f:
-                return f.read().strip() or None
+                keys += [line.strip() for line in f if line.strip()]
         except OSError as e:
             raise EdgeRuntimeError(f"cannot read {args.api_key_file}: {e.strerror}") from None
-    return args.api_key
+    return keys
 
 
 def build_gateway(args, make_backend):
@@ -45,7 +48,7 @@ def build_gateway(args, make_backend):
 
     runtime = make_runtime(args, make_backend)  # --max-batch reaches the native backend (main.backend_args)
     model_id = args.model_id or os.path.splitext(os.path.basename(getattr(runtime.local, "path", args.model)))[0]
-    gw = Gateway(runtime, model_id, api_key=_api_key(args), max_in_flight=args.max_in_flight,
+    gw = Gateway(runtime, model_id, api_key=_api_keys(args), max_in_flight=args.max_in_flight,
                  default_max_tokens=args.default_max_tokens)
     return gw, create_app(gw, resume_grace_s=args.resume_grace)
 

@@ -10,9 +10,12 @@ import threading
 
 
 class ServeProcess:
-    def __init__(self, *args: str, key: str | None = None, threads: int | None = 2, cwd: str | None = None):
+    def __init__(self, *args: str, key: str | None = None, threads: int | None = 2, cwd: str | None = None,
+                 cache: str | None = None):
+        """`cache`: the response cache's file; None: --no-cache (benchmarks measure generation, cold)."""
         cmd = [sys.executable, "-m", "edge_cli", "serve", "--port", "0",
-               *(["--threads", str(threads)] if threads else []), *args, *(["--api-key", key] if key else [])]
+               *(["--threads", str(threads)] if threads else []), *args, *(["--api-key", key] if key else []),
+               *(["--cache-path", cache] if cache else ["--no-cache"])]
         self.proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      start_new_session=True)
         self.err: list[str] = []

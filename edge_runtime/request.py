@@ -87,6 +87,9 @@ class GenerationRequest:
     (the gateway's context check, the router's size rule, or the engine), with
     `prompt_tokenizer` the fingerprint of the tokenizer that made them: the rest
     use the same ids instead of rendering and tokenizing again (completion.py).
+    `cache` asks the response cache to serve and store (auto), stay out (off) or
+    generate and overwrite (refresh); `tenant` scopes what it may serve (an API
+    key's hash, or "local").
     """
 
     messages: list[dict] | None = None
@@ -100,6 +103,8 @@ class GenerationRequest:
     confidence: bool = False
     prompt_token_ids: list[int] | None = None
     prompt_tokenizer: str = ""
+    cache: Literal["auto", "off", "refresh"] = "auto"
+    tenant: str = "local"
 
     def __post_init__(self) -> None:
         if (self.messages is None) == (self.prompt is None):
@@ -118,6 +123,8 @@ class GenerationRequest:
             raise InvalidRequestError("'prefix_token_ids' must be a list of token ids (integers >= 0)")
         if self.route not in ("auto", "local", "cloud"):
             raise InvalidRequestError(f"invalid route={self.route!r}: must be auto, local or cloud")
+        if self.cache not in ("auto", "off", "refresh"):
+            raise InvalidRequestError(f"invalid cache={self.cache!r}: must be auto, off or refresh")
 
 
 @dataclass(slots=True)

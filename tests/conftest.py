@@ -4,6 +4,9 @@ import os
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The response cache's default file is shared by every process of a user: tests that want a cache name their own
+# file (--cache-path), so that no test is answered from another's cache.
+os.environ["EDGE_RUNTIME_RESPONSE_CACHE"] = "off"
 
 
 @pytest.fixture

@@ -1,12 +1,12 @@
 """`edge-runtime bench NAME`: the benchmarks, each against its anchor in one run (decode, kv, attention,
-batching, hybrid, spec, serve) and the report over their JSON. Only wiring: each benchmark lives in its own
+batching, hybrid, spec, serve, cache) and the report over their JSON. Only wiring: each benchmark lives in its own
 module and is imported when asked for."""
 from __future__ import annotations
 
 
 def register(sub) -> None:
     b = sub.add_parser("bench", help="benchmarks (each against its anchor, in one run)")
-    b.add_argument("name", choices=["decode", "kv", "attention", "batching", "hybrid", "spec", "serve", "report"])
+    b.add_argument("name", choices=["decode", "kv", "attention", "batching", "hybrid", "spec", "serve", "cache", "report"])
     b.add_argument("--dir", default="bench-results", help="report: directory of benchmark JSON files")
     b.add_argument("--out", default=None, help="report: output directory (default DIR/report)")
     b.add_argument("--model", default="default")
@@ -42,6 +42,7 @@ def register(sub) -> None:
     bv = b.add_argument_group("serve")
     bv.add_argument("--serve-requests", type=int, default=8, help="serve: requests sent one at a time, then at once")
     bv.add_argument("--serve-tokens", type=int, default=128, help="serve: tokens per answer")
+    b.add_argument("--cache-pairs", type=int, default=40, help="cache: pairs of the labelled set to replay")
     b.set_defaults(func=cmd_bench)
 
 
@@ -71,6 +72,10 @@ def cmd_bench(args) -> int:
         from edge_cli.bench.serve import run_serve_bench
 
         return run_serve_bench(args)
+    if args.name == "cache":
+        from edge_cli.bench.cache import run_cache_bench
+
+        return run_cache_bench(args)
     if args.name == "hybrid":
         from edge_cli.bench.hybrid import run_hybrid_bench
 

@@ -67,12 +67,13 @@ class _State:
 class HybridRuntime:
     def __init__(self, local, cloud=None, offline: bool = False, route: str = "auto", router: Router | None = None,
                  policy=None, monitor_factory: Callable | None = None, hand_back: str = "faster",
-                 probe_interval: float = 0.5, max_handbacks: int = 2):
+                 probe_interval: float = 0.5, max_handbacks: int = 2, cache=None):
         """`policy`: a difficulty Calibration (default: the packaged one); `monitor_factory()` overrides the
         monitor it builds; `hand_back`: after a failover caused by a lost or stalled connection, return to the
         cloud `faster` (only if it streamed faster than the device), `always`, or `never`; `probe_interval`:
         seconds between heartbeat probes before the first hand-back of an answer, doubled after each one;
-        `max_handbacks`: hand-backs allowed per answer."""
+        `max_handbacks`: hand-backs allowed per answer; `cache`: a ResponseCache in front of the router
+        (edge_runtime/cache), or None."""
         if hand_back not in HAND_BACK_MODES:
             raise ValueError(f"hand_back must be one of {', '.join(HAND_BACK_MODES)}, not {hand_back!r}")
         if not probe_interval > 0:
@@ -88,6 +89,7 @@ class HybridRuntime:
                                        watch=monitor_factory is not None)
         self.monitor_factory = monitor_factory or (policy.monitor if policy is not None else None)
         self.hand_back, self.probe_interval, self.max_handbacks = hand_back, probe_interval, max_handbacks
+        self.cache = cache
 
     def prompt_tokens(self, request: GenerationRequest) -> int | None:
         """The prompt's size in the device's tokens, tokenized once per request (the ids stay on it for the
@@ -143,6 +145,15 @@ class HybridRuntime:
                 return rtt
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[StreamEvent]:
+        """The answer's events: from the response cache when it holds this request, else routed and generated
+        (and then stored in the cache)."""
+        events = self._route(request) if self.cache is None else self.cache.serve(request, self._route,
+                                                                                   self.prompt_tokens)
+        async with contextlib.aclosing(events) as events:
+            async for ev in events:
+                yield ev
+
+    async def _route(self, request: GenerationRequest) -> AsyncIterator[StreamEvent]:
         prompt_tokens = self.prompt_tokens(request)
         decision = self.router.decide(request, prompt_tokens)
         warm = None

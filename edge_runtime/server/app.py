@@ -5,7 +5,7 @@ Endpoints: POST /v1/chat/completions and /v1/completions (JSON, or SSE with
 WebSocket /v1/stream (edge_runtime/server/ws_stream.py) and the chat page at /.
 
 Which source produced which part travels in extension fields that standard
-clients ignore: every streamed chunk carries `x_source` (local | cloud), a
+clients ignore: every streamed chunk carries `x_source` (local | cloud | cache), a
 hand-off arrives as a chunk with an empty delta and `x_handoff`, and a whole
 response carries `x_hybrid` (route, reason, hand-offs, usage per source, and
 the text as segments by source).
@@ -18,6 +18,7 @@ client that disconnects cancels its generation.
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import os
@@ -43,7 +44,8 @@ GENERATION_RESPONSES = {**V1_ERRORS, 200: {"content": {"text/event-stream": {}}}
 class Gateway:
     def __init__(self, runtime, model_id: str, api_key: str | None = None, max_in_flight: int = 8,
                  default_max_tokens: int = 256):
-        self.runtime, self.model_id, self.api_key = runtime, model_id, api_key
+        keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+        self.runtime, self.model_id, self.api_keys = runtime, model_id, tuple(k for k in keys if k)
         self.max_in_flight, self.default_max_tokens = max_in_flight, default_max_tokens
         # what a request that sets no sampling gets: the local model's recommendation, else llama.cpp's
         self.sampling = getattr(getattr(runtime, "local", None), "sampling_defaults", None) or sampling_defaults.NONE
@@ -53,13 +55,24 @@ class Gateway:
         self.started = time.time()
 
     # --- checks -------------------------------------------------------------------------------------
-    def authorize(self, header: str | None) -> None:
-        if self.api_key is None:
-            return
-        given = (header or "").removeprefix("Bearer ").strip()
-        if not given or not hmac.compare_digest(given.encode(), self.api_key.encode()):
+    def tenant(self, key: str | None) -> str | None:
+        """Whose request this is: "local" when the server has no keys, else the key's tenant (a hash of the
+        key: what the response cache scopes by); None for a missing or wrong key."""
+        if not self.api_keys:
+            return "local"
+        found = None
+        for k in self.api_keys:  # every key compared, in constant time each
+            if key and hmac.compare_digest(key.encode(), k.encode()):
+                found = "key-" + hashlib.sha256(k.encode()).hexdigest()[:16]
+        return found
+
+    def authorize(self, header: str | None) -> str:
+        """The request's tenant; a 401 for a missing or wrong key."""
+        tenant = self.tenant((header or "").removeprefix("Bearer ").strip())
+        if tenant is None:
             raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
                            type="authentication_error", code="invalid_api_key")
+        return tenant
 
     def check_model(self, model: str) -> None:
         if model not in (self.model_id, "default"):
@@ -121,6 +134,8 @@ class Gateway:
             lines.append(f'edge_gateway_tokens_total{{source="{src}"}} {self.counters.get("tokens_" + src, 0)}')
         lines += ["# HELP edge_gateway_in_flight Requests being generated.", "# TYPE edge_gateway_in_flight gauge",
                   f"edge_gateway_in_flight {self.in_flight}"]
+        if getattr(self.runtime, "cache", None) is not None:
+            lines += self.runtime.cache.metrics()
         return "\n".join(lines) + "\n"
 
 
@@ -202,7 +217,8 @@ def create_app(gateway: Gateway, resume_grace_s: float = 30.0) -> FastAPI:
         return {"status": "ok", "model": gw.model_id, "offline": rt.offline, "cloud": cloud,
                 "in_flight": gw.in_flight, "uptime_s": round(time.time() - gw.started, 1),
                 "sampling_defaults": gw.sampling.as_dict(),
-                "local_engine": rt.local.engine.stats() if hasattr(rt.local, "engine") else None}
+                "local_engine": rt.local.engine.stats() if hasattr(rt.local, "engine") else None,
+                "cache": rt.cache.stats() if getattr(rt, "cache", None) is not None else None}
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
@@ -232,6 +248,7 @@ def create_app(gateway: Gateway, resume_grace_s: float = 30.0) -> FastAPI:
     async def _complete(request: Request, body, chat: bool):
         gw.check_model(body.model)
         gen = to_generation_request(body, gw.default_max_tokens, gw.sampling)
+        gen.tenant = gw.authorize(request.headers.get("authorization"))
         gw.check_context(gen)
         gw.admit()
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]

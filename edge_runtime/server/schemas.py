@@ -3,8 +3,8 @@
 Sampling settings a request leaves out come from the server's defaults (the model's recommendation, else
 llama.cpp's: sampling_defaults.py); n defaults to 1 as in OpenAI's API. Extensions that
 standard clients never send: `top_k`, `min_p`, `repetition_penalty`,
-`ignore_eos` (sampling, as vLLM names them), `route` (auto | local | cloud)
-and `local_only` (privacy: never leave the device). Parameters we cannot
+`ignore_eos` (sampling, as vLLM names them), `route` (auto | local | cloud),
+`local_only` (privacy: never leave the device) and `cache` (auto | off | refresh: the response cache). Parameters we cannot
 honour (n > 1, logprobs, non-zero presence/frequency penalties, tools,
 structured output) are rejected with a 400 that names them, never silently
 ignored.
@@ -77,6 +77,7 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     route: Literal["auto", "local", "cloud"] = "auto"
     local_only: bool = False
+    cache: Literal["auto", "off", "refresh"] = "auto"
 
 
 class ChatCompletionRequest(_Common):
@@ -167,13 +168,15 @@ def to_generation_request(req: _Common, default_max_tokens: int, defaults=None) 
         if isinstance(req, ChatCompletionRequest):
             messages = [{"role": "system" if m.role == "developer" else m.role, "content": _text(m.content)}
                         for m in req.messages]
-            return GenerationRequest(messages=messages, params=params, route=req.route, local_only=req.local_only)
+            return GenerationRequest(messages=messages, params=params, route=req.route, local_only=req.local_only,
+                                     cache=req.cache)
         prompt = req.prompt
         if isinstance(prompt, list):
             if len(prompt) != 1:
                 raise APIError(400, "'prompt' must be one string (batched prompts are not supported)", param="prompt",
                                code="unsupported_parameter")
             prompt = prompt[0]
-        return GenerationRequest(prompt=prompt, params=params, route=req.route, local_only=req.local_only)
+        return GenerationRequest(prompt=prompt, params=params, route=req.route, local_only=req.local_only,
+                                 cache=req.cache)
     except EdgeRuntimeError as e:
         raise APIError(400, e.message, code=getattr(e, "code", None)) from None

@@ -1,9 +1,10 @@
 """WebSocket `/v1/stream`: the hybrid runtime's events for pages and apps, with resume after a reconnect.
 
 Client frames (JSON text): `hello` {api_key} first when the server has a key;
-`generate` {id, messages | prompt, params, route, local_only}; `cancel` {id};
+`generate` {id, messages | prompt, params, route, local_only, cache}; `cancel` {id};
 `resume` {id, after} on a new connection. Server frames: `welcome` {model, resume_grace_s},
-then per stream `start` {route, route_reason, source, prompt_tokens}, `delta` {seq, text, token_ids,
+then per stream `start` {route, route_reason, source, prompt_tokens, and `cache` {kind, score} on a cache
+hit}, `delta` {seq, text, token_ids,
 source}, `handoff` {from, to, at_char, reason}, `finish` {finish_reason,
 usage, usage_by_source, handoffs} or `error` {code, message}. Every stream
 frame has `id` and `n`, its number in that stream (0, 1, 2, ...).
@@ -42,6 +43,7 @@ class _Stream:
 class _Conn:
     def __init__(self, ws: WebSocket):
         self.ws, self.queue = ws, asyncio.Queue()
+        self.tenant = "local"  # the API key's tenant once `hello` names it
 
     async def writer(self) -> None:
         while True:
@@ -56,6 +58,8 @@ def _frame(sid: str, n: int, ev) -> dict:
     if ev.type == "start":
         f.update(route=ev.info.get("route"), route_reason=ev.info.get("route_reason"), source=ev.source,
                  prompt_tokens=ev.info.get("prompt_tokens"))
+        if "cache" in ev.info:
+            f["cache"] = {k: ev.info["cache"][k] for k in ("kind", "score")}
     elif ev.type == "delta":
         f.update(seq=ev.seq, text=ev.text, token_ids=list(ev.token_ids), source=ev.source)
     elif ev.type == "handoff":
@@ -145,7 +149,8 @@ def mount_ws(app, gw, grace_s: float = 30.0) -> None:
         try:
             gen = GenerationRequest(messages=msg.get("messages"), prompt=msg.get("prompt"),
                                     params=gw.sampling.params(**{"max_tokens": gw.default_max_tokens, **params}),
-                                    route=msg.get("route", "auto"), local_only=bool(msg.get("local_only", False)))
+                                    route=msg.get("route", "auto"), local_only=bool(msg.get("local_only", False)),
+                                    cache=msg.get("cache", "auto"), tenant=conn.tenant)
         except EdgeRuntimeError as e:
             return error(conn, sid, "invalid_request", e.message)
         except TypeError as e:
@@ -189,11 +194,13 @@ def mount_ws(app, gw, grace_s: float = 30.0) -> None:
                 kind = msg.get("type")
                 if first:
                     first = False
-                    if gw.api_key is not None:
+                    if gw.api_keys:
                         key = msg.get("api_key") if kind == "hello" else None
-                        if not isinstance(key, str) or not hmac.compare_digest(key.encode(), gw.api_key.encode()):
+                        tenant = gw.tenant(key) if isinstance(key, str) else None
+                        if tenant is None:
                             await ws.close(AUTH_CLOSE, "unauthorized: send hello with the API key first")
                             return
+                        conn.tenant = tenant
                     if kind == "hello":
                         conn.queue.put_nowait({"type": "welcome", "model": gw.model_id, "resume_grace_s": grace_s})
                         continue

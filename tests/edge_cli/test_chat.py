@@ -73,3 +73,24 @@ def test_hybrid_chat_routes_marks_sources_and_shows_connectivity(native_backend)
     assert ChatSession(native_backend, SamplingParams(), runtime=cloudy).connectivity() == "cloud"
     health.record_failure("unreachable")
     assert ChatSession(native_backend, SamplingParams(), runtime=cloudy).connectivity() == "cloud down"
+
+
+def test_terminal_chat_answers_a_repeated_question_from_the_cache(tmp_path):
+    """`edge-runtime chat` has the response cache in front: a second session asking the same first question
+    (greedy) gets the stored answer, marked [cache]; --no-cache generates again."""
+    import subprocess
+    import sys
+
+    from tests.edge_runtime.server.gateway_fixtures import ROOT
+
+    def chat(*flags):
+        p = subprocess.run([sys.executable, "-m", "edge_cli", "chat", "--draft", "none", "--temperature", "0",
+                            "--max-tokens", "12", "--cache-path", str(tmp_path / "c.sqlite3"), *flags],
+                           input="Name a fruit.\n/quit\n", capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert p.returncode == 0, p.stderr
+        return p
+    first, second, fresh = chat(), chat(), chat("--no-cache")
+    assert "[local]" in first.stdout and "[route local" in first.stderr
+    assert "[cache]" in second.stdout and "[route cache: exact cache hit]" in second.stderr
+    answer = first.stdout.split("[local]", 1)[1].split("\n", 1)[0]
+    assert answer.strip() and answer in second.stdout and "[local]" in fresh.stdout

@@ -1,0 +1,169 @@
+"""What a similarity score misses: the parts of a request that must agree before a cached answer may serve it.
+
+`normalize(text)` is the exact tier's form of a message (Unicode NFKC, case folded, whitespace collapsed,
+trailing punctuation dropped): "How are you?" and "how  are you" share it.
+
+`Signature.of(text)` pulls out what changes the right answer while leaving an embedding almost unmoved:
+- numbers (digits, and number words up to twelve, plus ordinals), as written values;
+- negations (not, no, never, without, none, n't, ... in six languages), counted; and reversals between the
+  two sides: a common antonym ("high" / "low", "harshly" / "gently") or a negative prefix ("advantages" /
+  "disadvantages") on a word only one side has;
+- quoted strings, verbatim;
+- named entities: capitalized words that are not common words (greetings, question words, imperatives, stop
+  words), case folded: each side's must occur (in any case) among the other side's words;
+- the language (script, then a stop-word vote over English, French, German, Spanish, Italian, Portuguese, Dutch);
+- explicit constraints: format and length words (words, sentences, haiku, JSON, bullet, brief, detailed, ...).
+Two requests agree when every part is equal. It knows nothing of embeddings, storage or models.
+"""
+from __future__ import annotations
+
+import re
+import unicodedata
+from dataclasses import dataclass
+
+_SPACE = re.compile(r"\s+")
+_WORD = re.compile(r"[^\W_]+(?:['’][^\W_]+)*", re.UNICODE)
+_NUMBER = re.compile(r"(?<![\w.])[-+]?\d+(?:[.,:/]\d+)*(?:st|nd|rd|th|%)?", re.UNICODE)
+_QUOTED = re.compile(r"\"([^\"]+)\"|“([^”]+)”|«([^»]+)»|'([^']{2,})'(?!\w)|`([^`]+)`")
+_SENTENCE_END = re.compile(r"[.!?:;]\s+|\n")
+
+NUMBER_WORDS = {w: i for i, w in enumerate(
+    "zero one two three four five six seven eight nine ten eleven twelve".split())}
+NUMBER_WORDS.update({"first": 1, "second": 2, "third": 3, "fourth": 4, "fifth": 5, "sixth": 6, "seventh": 7,
+                     "eighth": 8, "ninth": 9, "tenth": 10, "twenty": 20, "thirty": 30, "forty": 40, "fifty": 50,
+                     "hundred": 100, "thousand": 1000, "million": 10**6, "billion": 10**9, "half": 0.5,
+                     "dozen": 12, "once": 1, "twice": 2, "thrice": 3, "single": 1, "double": 2, "triple": 3})
+NEGATIONS = frozenset("""not no never none nothing nobody nowhere neither nor without cannot cant dont doesnt didnt
+isnt arent wasnt werent wont wouldnt shouldnt couldnt mustnt hasnt havent hadnt non avoid except unless
+ne pas jamais sans aucun aucune rien nicht kein keine keinen keiner nie niemals ohne nunca sin ningún ninguna
+nada non mai senza nessuno niente não nem nunca sem geen niet nooit zonder""".split())
+CONSTRAINTS = frozenset("""word words sentence sentences line lines paragraph paragraphs page pages character
+characters letter letters syllable syllables bullet bullets numbered table json yaml xml csv markdown html
+code haiku limerick sonnet poem rhyme essay tweet email outline short shorter brief briefly longer detailed
+concise simple simply simpler formal informal casual funny serious kid kids child children beginner beginners
+expert experts eli5 minute minutes hour hours fewer maximum minimum max min exactly approximately""".split())
+# pairs whose members reverse a request's meaning ("advantages" / "disadvantages" is the prefix rule below)
+ANTONYMS = [tuple(p.split("/")) for p in """high/low higher/lower highest/lowest more/less most/least good/bad
+better/worse best/worst hot/cold warm/cool big/small bigger/smaller biggest/smallest large/small long/short
+fast/slow faster/slower early/late before/after above/below over/under increase/decrease increasing/decreasing
+rise/fall up/down start/end starting/ending begin/end beginning/end first/last pros/cons gain/lose gaining/losing
+add/remove adding/removing buy/sell buying/selling cheap/expensive cheapest/most easy/hard easy/difficult
+easiest/hardest strong/weak harshly/gently harsh/gentle positive/negative true/false right/wrong safe/dangerous
+legal/illegal healthy/unhealthy metric/imperial male/female men/women boys/girls north/south east/west
+left/right inside/outside input/output import/export send/receive open/close push/pull always/never include/exclude
+allowed/forbidden love/hate like/dislike agree/disagree accept/reject win/lose minimum/maximum min/max
+ascending/descending rich/poor young/old new/old wet/dry light/dark light/heavy sweet/sour""".split()]
+NEGATIVE_PREFIXES = ("un", "in", "im", "ir", "il", "dis", "non", "non-", "anti", "mis")
+STOPWORDS = {
+    "en": set("the and is are what how why of to in a an for with you can does do it this that my me please".split()),
+    "fr": set("le la les est et des une un pour avec vous que qui comment pourquoi je mon ma du au dans est-ce".split()),
+    "de": set("der die das ist und ein eine für mit sie wie warum ich mein ist nicht zu auf den dem kann".split()),
+    "es": set("el la los las es y una un para con usted que cómo por qué mi en del se puedo".split()),
+    "it": set("il lo la gli le è e una un per con che perché mio mia del della delle di non sono faccio fare posso "
+              "cosa quale quali questo questa molto nel nella anche".split()),
+    "pt": set("o a os as é e uma um para com você que como por quê meu minha do da em não".split()),
+    "nl": set("de het een is en voor met je jij hoe waarom mijn niet van op te dat wat".split()),
+}
+# capitalized words that are not names: greetings, question words, imperatives and stop words
+NOT_NAMES = frozenset("""i i'm i've i'll i'd ok okay please kindly hi hello hey thanks thank dear yes so now then
+also and but or if what how why when where which who whom whose is are was were am be can could would should will do
+does did may might shall have has had there here this that these those my your our give me tell explain describe
+write list show make create suggest recommend help calculate find name define convert translate summarize summarise
+compare provide share generate compose draft outline teach let in on at for from to as by with about using into
+after before during between quick quickly just simply briefly""".split()) | frozenset().union(*STOPWORDS.values())
+
+
+def normalize(text: str) -> str:
+    """The exact tier's form of a message."""
+    t = _SPACE.sub(" ", unicodedata.normalize("NFKC", text).casefold()).strip()
+    return t.rstrip(" .!?。！？")
+
+
+def _numbers(text: str, words: list[str]) -> tuple:
+    found = [m.group(0).lstrip("+").replace(",", ".") for m in _NUMBER.finditer(text)]
+    found += [str(NUMBER_WORDS[w]) for w in words if w in NUMBER_WORDS]
+    return tuple(sorted(found))
+
+
+def _entities(text: str) -> tuple:
+    """Capitalized words (case folded) that are not common words and do not start a sentence (there a
+    capital says nothing), and all-capital words (acronyms) anywhere."""
+    out = set()
+    for sentence in _SENTENCE_END.split(text):
+        for i, w in enumerate(_WORD.findall(sentence)):
+            if (i > 0 and w[:1].isupper()) or (len(w) > 1 and w.isupper()):
+                out.add(w.casefold().replace("’", "'"))
+    return tuple(sorted(out - NOT_NAMES))
+
+
+def _reversed(a: set, b: set) -> bool:
+    """True when b holds the opposite of a word only a holds: an antonym, or the word with a negative prefix."""
+    only_a, only_b = a - b, b - a
+    if not only_a or not only_b:
+        return False
+    for x, y in ANTONYMS:
+        if (x in only_a and y in only_b) or (y in only_a and x in only_b):
+            return True
+    return any(w.startswith(p) and w[len(p):] in other for w, other in ((w, only_a) for w in only_b)
+               for p in NEGATIVE_PREFIXES) or any(w.startswith(p) and w[len(p):] in only_b for w in only_a
+                                                  for p in NEGATIVE_PREFIXES)
+
+
+def language(text: str) -> str:
+    """A script name for non-Latin text; else the language whose stop words occur most, where English needs
+    more than the others and no accented letter (ties: the first name); "und" when no stop word occurs."""
+    for ch in text:
+        if ch.isalpha() and ord(ch) > 0x24F:
+            name = unicodedata.name(ch, "")
+            return name.split(" ")[0].lower() if name else "other"
+    words = [w.casefold() for w in _WORD.findall(text)]
+    scores = {lang: sum(w in sw for w in words) for lang, sw in STOPWORDS.items()}
+    best = max(scores.values(), default=0)
+    accented = any(ch.isalpha() and ord(ch) > 0x7F for ch in text)
+    if best == 0:
+        return "latin-accented" if accented else "und"
+    others = max(v for lang, v in scores.items() if lang != "en")
+    if scores["en"] > others and not accented:
+        return "en"
+    if others == 0:  # English stop words and an accented letter: a loanword ("café") or another Latin language
+        return "latin-accented"
+    return min(lang for lang, v in scores.items() if lang != "en" and v == others)
+
+
+@dataclass(frozen=True, slots=True)
+class Signature:
+    numbers: tuple = ()
+    negations: int = 0
+    quoted: tuple = ()
+    entities: tuple = ()
+    language: str = "en"
+    constraints: tuple = ()
+    words: tuple = ()  # every word, case folded: where the other side's entities are looked up
+
+    @classmethod
+    def of(cls, text: str) -> "Signature":
+        text = unicodedata.normalize("NFKC", text)
+        words = [w.casefold().replace("’", "'") for w in _WORD.findall(text)]
+        flat = [w.replace("'", "") for w in words]
+        negations = sum(w in NEGATIONS for w in flat) + sum(w.endswith("n't") for w in words)
+        quoted = tuple(sorted(next(g for g in m.groups() if g) for m in _QUOTED.finditer(text)))
+        constraints = tuple(sorted({w for w in flat if w in CONSTRAINTS}))
+        return cls(_numbers(text, flat), negations, quoted, _entities(text), language(text), constraints,
+                   tuple(sorted(set(words))))
+
+    def differences(self, other: "Signature") -> list[str]:
+        """The names of the parts that disagree (empty: the guards pass)."""
+        out = [name for name in ("numbers", "negations", "quoted", "language", "constraints")
+               if getattr(self, name) != getattr(other, name)]
+        if "negations" not in out and _reversed(set(self.words), set(other.words)):
+            out.append("negations")
+        if not set(self.entities) <= set(other.words) or not set(other.entities) <= set(self.words):
+            out.append("entities")
+        return out
+
+    def to_json(self) -> dict:
+        return {name: list(v) if isinstance(v := getattr(self, name), tuple) else v for name in self.__slots__}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Signature":
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
