@@ -68,10 +68,12 @@ def decide(f: dict, threshold: float, idx=slice(None)) -> np.ndarray:
 
 
 def pick_threshold(f: dict, idx=slice(None), budget: float = FALSE_HIT_BUDGET) -> float:
-    """The lowest threshold (a candidate score, or 1.0 + tiny) whose false-hit rate on idx's misses <= budget."""
+    """The lowest threshold (0, a positive candidate score, or 1.0 + tiny) whose false-hit rate on idx's misses
+    is <= budget. NOTE: never below 0: a request unrelated to the stored one (cosine < 0) never hits."""
     label = f["label"][idx]
     misses = max(1, int((~label).sum()))
-    for t in sorted(set(np.round(f["score"][idx], 6).tolist()) | {1.000001}):
+    scores = np.round(f["score"][idx], 6)
+    for t in sorted(set(scores[scores > 0].tolist()) | {0.0, 1.000001}):
         if (decide(f, t, idx) & ~label).sum() / misses <= budget:
             return float(t)
     return 1.000001

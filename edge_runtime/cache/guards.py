@@ -12,8 +12,15 @@ trailing punctuation dropped): "How are you?" and "how  are you" share it.
 - named entities: capitalized words that are not common words (greetings, question words, imperatives, stop
   words), case folded: each side's must occur (in any case) among the other side's words;
 - the language (script, then a stop-word vote over English, French, German, Spanish, Italian, Portuguese, Dutch);
-- explicit constraints: format and length words (words, sentences, haiku, JSON, bullet, brief, detailed, ...).
-Two requests agree when every part is equal. It knows nothing of embeddings, storage or models.
+- explicit constraints: format and length words (words, sentences, haiku, JSON, bullet, brief, detailed, ...),
+  each found (or a spelling of it) among the other side's words;
+- content: every content word (not a function, politeness or filler word) of each side has a counterpart
+  among the other side's words, the same word or a spelling or inflection of it (same first five letters,
+  or two edits).
+- order: the words on either side of "to", "than", "from", "vs", ... must be the same ("Celsius to
+  Fahrenheit" / "Fahrenheit to Celsius", "a dog bigger than a cat" / "a cat bigger than a dog").
+Two requests agree when every part does. What this still lets through: roles swapped without such a word
+("who did Alice call" / "who called Alice"), which no bag-of-words view can tell apart. It knows nothing of embeddings, storage or models.
 """
 from __future__ import annotations
 
@@ -54,6 +61,14 @@ left/right inside/outside input/output import/export send/receive open/close pus
 allowed/forbidden love/hate like/dislike agree/disagree accept/reject win/lose minimum/maximum min/max
 ascending/descending rich/poor young/old new/old wet/dry light/dark light/heavy sweet/sour""".split()]
 NEGATIVE_PREFIXES = ("un", "in", "im", "ir", "il", "dis", "non", "non-", "anti", "mis")
+# words that carry no content of their own: function words, politeness, filler (with NOT_NAMES, below)
+FUNCTION_WORDS = frozenset("""a an the of to in on at for with by from as is are was were be been being it its this
+that these those there here what whats how why when where which who whom whose do does did can could would should will
+shall may might must i me my mine we us our you your he him she her they them their his please kindly thanks thank
+thx cheers hi hello hey dear good morning afternoon evening sorry bother excuse help tell give show let know want
+need like just also some any way ways much many very really quite if or and but so than then into about up out
+appreciated appreciate grateful trouble wondering wonder question quick silly mind hope well sure ok okay great
+anyone somebody someone possible able""".split())
 STOPWORDS = {
     "en": set("the and is are what how why of to in a an for with you can does do it this that my me please".split()),
     "fr": set("le la les est et des une un pour avec vous que qui comment pourquoi je mon ma du au dans est-ce".split()),
@@ -94,6 +109,46 @@ def _entities(text: str) -> tuple:
             if (i > 0 and w[:1].isupper()) or (len(w) > 1 and w.isupper()):
                 out.add(w.casefold().replace("’", "'"))
     return tuple(sorted(out - NOT_NAMES))
+
+
+def _close(w: str, words: set) -> bool:
+    """w, or a spelling or inflection of it (same first 5 letters, or at most 2 edits for words of 5+ letters)."""
+    if w in words:
+        return True
+    for x in words:
+        if len(w) >= 5 and len(x) >= 5 and (w[:5] == x[:5] or (abs(len(w) - len(x)) <= 2 and _edits(w, x) <= 2)):
+            return True
+    return False
+
+
+def _edits(a: str, b: str) -> int:
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        cur = [i]
+        for j, cb in enumerate(b, 1):
+            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb)))
+        prev = cur
+    return prev[-1]
+
+
+RELATIONS = frozenset("than to into from vs versus before after over under".split())
+ARTICLES = frozenset("a an the my your our their his her its this that".split())
+
+
+def _relations(text: str) -> tuple:
+    """(left, word, right) around each relation word ("celsius to fahrenheit", "bigger than cat"), articles
+    skipped, when both sides are content words: what tells "X to Y" from "Y to X"."""
+    out = set()
+    for sentence in _SENTENCE_END.split(text):
+        ws = [w for w in (x.casefold() for x in _WORD.findall(sentence)) if w not in ARTICLES]
+        for i in range(1, len(ws) - 1):
+            if ws[i] in RELATIONS and _content([ws[i - 1], ws[i + 1]]) == {ws[i - 1], ws[i + 1]}:
+                out.add(f"{ws[i - 1]} {ws[i]} {ws[i + 1]}")
+    return tuple(sorted(out))
+
+
+def _content(words) -> set:
+    return {w for w in words if len(w) >= 3 and w not in FUNCTION_WORDS and w not in NOT_NAMES}
 
 
 def _reversed(a: set, b: set) -> bool:
@@ -139,6 +194,7 @@ class Signature:
     language: str = "en"
     constraints: tuple = ()
     words: tuple = ()  # every word, case folded: where the other side's entities are looked up
+    relations: tuple = ()
 
     @classmethod
     def of(cls, text: str) -> "Signature":
@@ -149,14 +205,21 @@ class Signature:
         quoted = tuple(sorted(next(g for g in m.groups() if g) for m in _QUOTED.finditer(text)))
         constraints = tuple(sorted({w for w in flat if w in CONSTRAINTS}))
         return cls(_numbers(text, flat), negations, quoted, _entities(text), language(text), constraints,
-                   tuple(sorted(set(words))))
+                   tuple(sorted(set(words))), _relations(text))
 
     def differences(self, other: "Signature") -> list[str]:
         """The names of the parts that disagree (empty: the guards pass)."""
-        out = [name for name in ("numbers", "negations", "quoted", "language", "constraints")
+        out = [name for name in ("numbers", "negations", "quoted", "language")
                if getattr(self, name) != getattr(other, name)]
+        mine, theirs = set(self.words), set(other.words)
+        if not all(_close(w, theirs) for w in self.constraints) or not all(_close(w, mine) for w in other.constraints):
+            out.append("constraints")
+        if set(self.relations) != set(other.relations):
+            out.append("order")
         if "negations" not in out and _reversed(set(self.words), set(other.words)):
             out.append("negations")
+        if not all(_close(w, theirs) for w in _content(mine)) or not all(_close(w, mine) for w in _content(theirs)):
+            out.append("content")
         if not set(self.entities) <= set(other.words) or not set(other.entities) <= set(self.words):
             out.append("entities")
         return out

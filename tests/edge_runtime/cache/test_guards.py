@@ -21,6 +21,11 @@ def differ(a: str, b: str) -> list[str]:
     ("Give me the answer in JSON", "Give me the answer in YAML", "constraints"),
     ("How does a refrigerator work?", "Wie funktioniert ein Kühlschrank?", "language"),
     ("How do I reverse a list in Python?", "Come faccio a invertire una lista in Python?", "language"),
+    ("Write a function to reverse a list, with unit tests.", "Write a function to reverse a list, with type hints.",
+     "content"),
+    ("Write a love song in the style of country music.", "Write a love song in the style of heavy metal.", "content"),
+    ("How do I convert Celsius to Fahrenheit?", "How do I convert Fahrenheit to Celsius?", "order"),
+    ("Is a dog bigger than a cat?", "Is a cat bigger than a dog?", "order"),
 ])
 def test_each_kind_of_near_miss_is_caught(a, b, part):
     assert part in differ(a, b)
@@ -33,6 +38,8 @@ def test_each_kind_of_near_miss_is_caught(a, b, part):
     ("Hi, could you tell me how tides work? Thanks!", "How do tides work?"),
     ("In simple terms, explain photosynthesis briefly.", "Explain photosynthesis briefly, in simple terms."),
     ("what is the capital of france", "What is the capital of France?"),
+    ("Recomend a good beginer exercise routine.", "Recommend a good beginner exercise routine."),
+    ("How do I convert Celsius to Fahrenheit?", "Sorry to bother you, but how do I convert Celsius to Fahrenheit?"),
 ])
 def test_same_requests_pass(a, b):
     assert differ(a, b) == []
