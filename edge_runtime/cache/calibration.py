@@ -56,8 +56,7 @@ def features(pairs: list[dict], embedder) -> dict:
     eb = embedder.embed([p["b"]["user"] for p in pairs])
     return {"exact": np.array([a[1] == b[1] for a, b in zip(ka, kb)]),
             "scope": np.array([a[0] == b[0] for a, b in zip(ka, kb)]),
-            "guards": np.array([not Signature.of(p["a"]["user"]).differences(Signature.of(p["b"]["user"]))
-                                for p in pairs]),
+            "guards": np.array([Signature.of(p["a"]["user"]).agrees(Signature.of(p["b"]["user"])) for p in pairs]),
             "score": np.einsum("ij,ij->i", ea, eb).astype(np.float64),
             "label": np.array([p["label"] == "hit" for p in pairs]),
             "cls": np.array([p["class"] for p in pairs])}

@@ -60,6 +60,10 @@ legal/illegal healthy/unhealthy metric/imperial male/female men/women boys/girls
 left/right inside/outside input/output import/export send/receive open/close push/pull always/never include/exclude
 allowed/forbidden love/hate like/dislike agree/disagree accept/reject win/lose minimum/maximum min/max
 ascending/descending rich/poor young/old new/old wet/dry light/dark light/heavy sweet/sour""".split()]
+OPPOSITE: dict[str, set] = {}
+for _x, _y in ANTONYMS:
+    OPPOSITE.setdefault(_x, set()).add(_y)
+    OPPOSITE.setdefault(_y, set()).add(_x)
 NEGATIVE_PREFIXES = ("un", "in", "im", "ir", "il", "dis", "non", "non-", "anti", "mis")
 # words that carry no content of their own: function words, politeness, filler (with NOT_NAMES, below)
 FUNCTION_WORDS = frozenset("""a an the of to in on at for with by from as is are was were be been being it its this
@@ -115,10 +119,9 @@ def _close(w: str, words: set) -> bool:
     """w, or a spelling or inflection of it (same first 5 letters, or at most 2 edits for words of 5+ letters)."""
     if w in words:
         return True
-    for x in words:
-        if len(w) >= 5 and len(x) >= 5 and (w[:5] == x[:5] or (abs(len(w) - len(x)) <= 2 and _edits(w, x) <= 2)):
-            return True
-    return False
+    if len(w) < 5:
+        return False
+    return any(len(x) >= 5 and (w[:5] == x[:5] or (abs(len(w) - len(x)) <= 2 and _edits(w, x) <= 2)) for x in words)
 
 
 def _edits(a: str, b: str) -> int:
@@ -147,6 +150,11 @@ def _relations(text: str) -> tuple:
     return tuple(sorted(out))
 
 
+def _each_close(words, others) -> bool:
+    others = set(others)
+    return all(_close(w, others) for w in words)
+
+
 def _content(words) -> set:
     return {w for w in words if len(w) >= 3 and w not in FUNCTION_WORDS and w not in NOT_NAMES}
 
@@ -156,12 +164,10 @@ def _reversed(a: set, b: set) -> bool:
     only_a, only_b = a - b, b - a
     if not only_a or not only_b:
         return False
-    for x, y in ANTONYMS:
-        if (x in only_a and y in only_b) or (y in only_a and x in only_b):
-            return True
-    return any(w.startswith(p) and w[len(p):] in other for w, other in ((w, only_a) for w in only_b)
-               for p in NEGATIVE_PREFIXES) or any(w.startswith(p) and w[len(p):] in only_b for w in only_a
-                                                  for p in NEGATIVE_PREFIXES)
+    if any(OPPOSITE.get(w, set()) & only_b for w in only_a):
+        return True
+    return any(w.startswith(p) and w[len(p):] in other for side, other in ((only_a, only_b), (only_b, only_a))
+               for w in side for p in NEGATIVE_PREFIXES)
 
 
 def language(text: str) -> str:
@@ -207,22 +213,29 @@ class Signature:
         return cls(_numbers(text, flat), negations, quoted, _entities(text), language(text), constraints,
                    tuple(sorted(set(words))), _relations(text))
 
-    def differences(self, other: "Signature") -> list[str]:
-        """The names of the parts that disagree (empty: the guards pass)."""
-        out = [name for name in ("numbers", "negations", "quoted", "language")
-               if getattr(self, name) != getattr(other, name)]
-        mine, theirs = set(self.words), set(other.words)
-        if not all(_close(w, theirs) for w in self.constraints) or not all(_close(w, mine) for w in other.constraints):
-            out.append("constraints")
-        if set(self.relations) != set(other.relations):
-            out.append("order")
-        if "negations" not in out and _reversed(set(self.words), set(other.words)):
-            out.append("negations")
-        if not all(_close(w, theirs) for w in _content(mine)) or not all(_close(w, mine) for w in _content(theirs)):
-            out.append("content")
-        if not set(self.entities) <= set(other.words) or not set(other.entities) <= set(self.words):
-            out.append("entities")
+    def differences(self, other: "Signature", first: bool = False) -> list[str]:
+        """The names of the parts that disagree (empty: the guards pass); `first`: stop at the first one."""
+        out = []
+        checks = [("numbers", lambda: self.numbers != other.numbers),
+                  ("negations", lambda: self.negations != other.negations),
+                  ("quoted", lambda: self.quoted != other.quoted), ("language", lambda: self.language != other.language),
+                  ("order", lambda: set(self.relations) != set(other.relations)),
+                  ("constraints", lambda: not _each_close(self.constraints, other.words)
+                   or not _each_close(other.constraints, self.words)),
+                  ("entities", lambda: not set(self.entities) <= set(other.words)
+                   or not set(other.entities) <= set(self.words)),
+                  ("content", lambda: not _each_close(_content(self.words), other.words)
+                   or not _each_close(_content(other.words), self.words)),
+                  ("reversal", lambda: _reversed(set(self.words), set(other.words)))]
+        for name, differ in checks:
+            if differ():
+                out.append(name)
+                if first:
+                    break
         return out
+
+    def agrees(self, other: "Signature") -> bool:
+        return not self.differences(other, first=True)
 
     def to_json(self) -> dict:
         return {name: list(v) if isinstance(v := getattr(self, name), tuple) else v for name in self.__slots__}

@@ -9,9 +9,9 @@
 
 Keys: the tenant (request.tenant: an API key's hash, or "local"), then a scope hash over the model
 fingerprint, the sampling settings, the route and `local_only`, the system prompt and every earlier turn;
-then the last message. Exact tier: the normalized last message (guards.normalize). Semantic tier: the
-nearest stored last message of the same scope by cosine similarity over `threshold`, and only when every
-guard agrees (guards.Signature: numbers, negations, quoted strings, entities, language, constraints). So an
+then the last message. Exact tier: the normalized last message (guards.normalize). Semantic tier: of the
+TOP_K stored last messages of the same scope nearest by cosine similarity and over `threshold`, the nearest
+whose guards all agree (guards.Signature: numbers, negations, quoted strings, entities, language, constraints). So an
 earlier turn that differs never hits, and one user never sees another's answer.
 
 Only greedy requests are cached and served unless `sampled=True`. `request.cache`: "auto" (use it), "off"
@@ -40,6 +40,7 @@ from edge_runtime.cache.store import CacheStore
 from edge_runtime.request import GenerationRequest, StreamEvent, Usage
 
 MODES = ("auto", "off", "refresh")
+TOP_K = 8  # semantic candidates checked against the guards per lookup: the nearest, whatever the cache holds
 COUNTERS = ("hits_exact", "hits_semantic", "misses", "bypasses", "stores", "errors", "audits", "audit_disagreements")
 
 
@@ -152,15 +153,18 @@ class ResponseCache:
         return None if self.embedder is None or not query else self.embedder.embed([query])[0]
 
     def _nearest(self, look: _Lookup) -> CacheHit | None:
-        entries = self.store.candidates(look.tenant, look.scope, self.embedder.name)
-        if not entries:
+        """The nearest of the scope's entries (the TOP_K most similar are checked) over the threshold whose
+        guards agree."""
+        ids, emb = self.store.embeddings(look.tenant, look.scope, self.embedder.name)
+        if not ids:
             return None
-        scores = np.stack([e.embedding for e in entries]) @ look.embedding
-        for i in np.argsort(-scores):
-            if scores[i] < self.threshold:
-                return None
-            e = entries[i]
-            if not look.signature.differences(Signature.from_json(e.signature)):
+        scores = emb @ look.embedding
+        near = np.argpartition(-scores, TOP_K)[:TOP_K] if len(scores) > TOP_K else np.arange(len(scores))
+        top = [int(i) for i in sorted(near, key=lambda i: (-scores[i], i)) if scores[i] >= self.threshold]
+        found = self.store.entries([ids[i] for i in top]) if top else {}
+        for i in top:
+            e = found.get(ids[i])
+            if e is not None and look.signature.agrees(Signature.from_json(e.signature)):
                 answer = self.store.answer(e.id)
                 return None if answer is None else CacheHit("semantic", float(scores[i]), e.id, e.query, answer)
         return None

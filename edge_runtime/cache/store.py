@@ -39,6 +39,15 @@ CREATE TABLE IF NOT EXISTS entries (
 );
 CREATE INDEX IF NOT EXISTS entries_scope ON entries (tenant, scope, embedder);
 CREATE INDEX IF NOT EXISTS entries_lru ON entries (last_used);
+CREATE INDEX IF NOT EXISTS entries_created ON entries (created);
+-- running totals, kept by the triggers in the writers' own transactions: eviction reads one row
+CREATE TABLE IF NOT EXISTS totals (one INTEGER PRIMARY KEY CHECK (one = 1), entries INTEGER NOT NULL,
+                                   bytes INTEGER NOT NULL);
+INSERT OR IGNORE INTO totals VALUES (1, 0, 0);
+CREATE TRIGGER IF NOT EXISTS entries_added AFTER INSERT ON entries BEGIN
+    UPDATE totals SET entries = entries + 1, bytes = bytes + NEW.bytes; END;
+CREATE TRIGGER IF NOT EXISTS entries_removed AFTER DELETE ON entries BEGIN
+    UPDATE totals SET entries = entries - 1, bytes = bytes - OLD.bytes; END;
 """
 
 
@@ -57,6 +66,8 @@ class CacheStore:
             raise ValueError("ttl_s, max_entries and max_bytes must be positive")
         self.path, self.ttl_s, self.max_entries, self.max_bytes = path, ttl_s, max_entries, max_bytes
         self._local = threading.local()  # one connection per thread (sqlite3 objects stay on their thread)
+        self._lock = threading.Lock()
+        self._memo: dict = {}  # (tenant, scope, embedder) -> the embeddings read so far (see `embeddings`)
         if os.path.dirname(path):
             os.makedirs(os.path.dirname(path), exist_ok=True)
         with self._db() as db:
@@ -84,12 +95,48 @@ class CacheStore:
             (tenant, key, time.time() - self.ttl_s)).fetchone()
         return None if row is None else Entry(row[0], row[1], json.loads(row[2]), json.loads(row[3]))
 
+    def embeddings(self, tenant: str, scope: str, embedder: str) -> tuple[list[int], np.ndarray | None]:
+        """The ids and embeddings [n, dim] of one scope's entries embedded by `embedder` (None when none).
+
+        NOTE: kept in memory per scope and topped up with the rows written since (any process's: ids only
+        grow), so a lookup reads new rows, not the whole scope. An id evicted or replaced since may still be
+        listed: `entries` does not return it, and the caller skips it. Expired ones are left out here."""
+        key = (tenant, scope, embedder)
+        with self._lock:
+            memo = self._memo.setdefault(key, {"max_id": 0, "ids": [], "n": 0, "created": None, "matrix": None})
+            new = self._db().execute(
+                "SELECT id, created, embedding FROM entries WHERE tenant = ? AND scope = ? AND embedder = ? "
+                "AND embedding IS NOT NULL AND id > ? ORDER BY id", (tenant, scope, embedder, memo["max_id"])).fetchall()
+            for entry_id, created, blob in new:  # appended in place; the buffers double when full
+                row = np.frombuffer(blob, dtype=np.float32)
+                if memo["matrix"] is None or memo["n"] == len(memo["matrix"]):
+                    grown = np.empty((max(64, 2 * memo["n"]), row.size), np.float32)
+                    stamps = np.empty(len(grown))
+                    if memo["n"]:
+                        grown[:memo["n"]], stamps[:memo["n"]] = memo["matrix"][:memo["n"]], memo["created"][:memo["n"]]
+                    memo["matrix"], memo["created"] = grown, stamps
+                memo["matrix"][memo["n"]], memo["created"][memo["n"]] = row, created
+                memo["ids"].append(entry_id)
+                memo["n"], memo["max_id"] = memo["n"] + 1, entry_id
+            n = memo["n"]
+            if not n:
+                return [], None
+            live = memo["created"][:n] > time.time() - self.ttl_s
+            if live.all():
+                return memo["ids"], memo["matrix"][:n]
+            return [i for i, ok in zip(memo["ids"], live) if ok], memo["matrix"][:n][live]
+
+    def entries(self, ids: list[int]) -> dict[int, Entry]:
+        """Those entries' questions and signatures (not their answers)."""
+        marks = ",".join("?" * len(ids))
+        rows = self._db().execute(f"SELECT id, query, signature FROM entries WHERE id IN ({marks})", ids)
+        return {i: Entry(i, q, json.loads(s), {}) for i, q, s in rows}
+
     def candidates(self, tenant: str, scope: str, embedder: str) -> list[Entry]:
-        """Live entries of one scope with an embedding from `embedder` (the answer is read on a hit only)."""
-        rows = self._db().execute(
-            "SELECT id, query, signature, embedding FROM entries WHERE tenant = ? AND scope = ? AND embedder = ? "
-            "AND embedding IS NOT NULL AND created > ?", (tenant, scope, embedder, time.time() - self.ttl_s))
-        return [Entry(i, q, json.loads(s), {}, np.frombuffer(e, dtype=np.float32)) for i, q, s, e in rows]
+        """Live entries of one scope with an embedding from `embedder`, with their embeddings."""
+        ids, emb = self.embeddings(tenant, scope, embedder)
+        found = self.entries(ids) if ids else {}
+        return [Entry(i, found[i].query, found[i].signature, {}, emb[k]) for k, i in enumerate(ids) if i in found]
 
     def answer(self, entry_id: int) -> dict | None:
         row = self._db().execute("SELECT answer FROM entries WHERE id = ?", (entry_id,)).fetchone()
@@ -120,15 +167,18 @@ class CacheStore:
 
     def _evict(self, db: sqlite3.Connection, now: float) -> None:
         db.execute("DELETE FROM entries WHERE created <= ?", (now - self.ttl_s,))
-        count, total = db.execute("SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM entries").fetchone()
+        count, total = db.execute("SELECT entries, bytes FROM totals").fetchone()
         if count <= self.max_entries and total <= self.max_bytes:
             return
-        drop, freed = max(0, count - self.max_entries), 0
-        for entry_id, size in db.execute("SELECT id, bytes FROM entries ORDER BY last_used, id").fetchall():
+        victims, drop, freed = [], count - self.max_entries, 0
+        cur = db.execute("SELECT id, bytes FROM entries ORDER BY last_used, id")  # least recently used first
+        for entry_id, size in cur:
             if drop <= 0 and total - freed <= self.max_bytes:
                 break
-            db.execute("DELETE FROM entries WHERE id = ?", (entry_id,))
+            victims.append((entry_id,))
             drop, freed = drop - 1, freed + size
+        cur.close()
+        db.executemany("DELETE FROM entries WHERE id = ?", victims)
 
     def stats(self) -> dict:
         count, total, hits = self._db().execute(
@@ -139,6 +189,8 @@ class CacheStore:
                 "ttl_s": self.ttl_s, "max_entries": self.max_entries, "max_bytes": self.max_bytes}
 
     def clear(self) -> int:
+        with self._lock:
+            self._memo.clear()
         return self._db().execute("DELETE FROM entries").rowcount
 
     def export(self) -> list[dict]:

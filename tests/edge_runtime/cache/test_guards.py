@@ -11,8 +11,8 @@ def differ(a: str, b: str) -> list[str]:
 @pytest.mark.parametrize("a,b,part", [
     ("Why is coffee good for you?", "Why is coffee not good for you?", "negations"),
     ("Why don't cats like water?", "Why do cats like water?", "negations"),
-    ("Explain the advantages of remote work.", "Explain the disadvantages of remote work.", "negations"),
-    ("Critique this line harshly.", "Critique this line gently.", "negations"),
+    ("Explain the advantages of remote work.", "Explain the disadvantages of remote work.", "reversal"),
+    ("Critique this line harshly.", "Critique this line gently.", "reversal"),
     ("Convert 5 miles to km", "Convert 15 miles to km", "numbers"),
     ("List three rivers in Europe", "List four rivers in Europe", "numbers"),
     ("What is the capital of Austria?", "What is the capital of Australia?", "entities"),
@@ -30,6 +30,7 @@ def differ(a: str, b: str) -> list[str]:
 def test_each_kind_of_near_miss_is_caught(a, b, part):
     assert part in differ(a, b)
     assert part in differ(b, a)  # symmetric
+    assert not Signature.of(a).agrees(Signature.of(b))
 
 
 @pytest.mark.parametrize("a,b", [

@@ -78,3 +78,18 @@ def test_a_file_that_is_not_a_database_raises_sqlite_errors(tmp_path):
     path.write_bytes(b"this is not a database" * 100)
     with pytest.raises(sqlite3.DatabaseError):
         CacheStore(str(path))
+
+
+def test_embeddings_kept_in_memory_see_other_writers_and_skip_what_they_removed(tmp_path):
+    path = str(tmp_path / "c.sqlite3")
+    writer, reader = CacheStore(path), CacheStore(path)  # as two processes would
+    put(writer, 1)
+    ids, emb = reader.embeddings("t", "scope", "e")
+    assert len(ids) == 1 and emb.shape == (1, 4)
+    for i in range(2, 100):  # past the first buffer's 64 rows
+        put(writer, i)
+    ids, emb = reader.embeddings("t", "scope", "e")
+    assert len(ids) == 99 and emb.shape == (99, 4) and ids == sorted(ids)
+    writer.clear()
+    ids, _ = reader.embeddings("t", "scope", "e")
+    assert ids and reader.entries(ids) == {}  # listed from memory, but gone: the lookup skips them
