@@ -44,10 +44,12 @@ def chat_hybrid(args, make_params, make_backend) -> int:
     """make_params(defaults) -> SamplingParams: the flags over the local model's sampling defaults."""
     from edge_cli.chat import ChatSession
 
+    if not args.busy_notice > 0:
+        raise EdgeRuntimeError(f"--busy-notice must be a positive number of seconds, not {args.busy_notice:g}")
     runtime = make_runtime(args, make_backend)
     params = make_params(runtime.local.sampling_defaults)
     print(f"[sampling: {_sampling_text(params, runtime.local.sampling_defaults)}]", file=sys.stderr, flush=True)
-    session = ChatSession(runtime.local, params, runtime=runtime)
+    session = ChatSession(runtime.local, params, runtime=runtime, busy_notice_s=args.busy_notice)
     try:
         return session.run(sys.stdin, sys.stdout)
     finally:

@@ -273,6 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(c, interactive=True)
     add_hybrid_args(c)
     add_cache_args(c)
+    c.add_argument("--busy-notice", type=float, default=2.0, help="seconds without a first token before the chat "
+                   "says the device is busy")
     c.set_defaults(func=cmd_chat, max_tokens=512)
 
     p = sub.add_parser("perplexity", help="perplexity of a UTF-8 text file")
