@@ -184,7 +184,8 @@ class ChatSession:
             else:
                 out.write(f"[route {self.route}; use /route local|cloud|auto]\n")
         elif word == "/status":
-            out.write(f"[{self.connectivity()}; route {self.route}; {len(self.messages)} messages]\n")
+            out.write(f"[{self.connectivity()}; route {self.route}; {len(self.messages)} messages; "
+                      f"sampling: {sampling_text(self.params)}]\n")
         elif word in ("/save", "/load"):
             if not arg:
                 out.write(f"[{word} needs a file name: {word} FILE]\n")
@@ -260,3 +261,10 @@ def summary_line(tokens: int, t0: float, stamps: list[float], sources: list[str]
     rate = (tokens - 1) / (stamps[-1] - stamps[0]) if tokens > 1 and stamps[-1] > stamps[0] else 0.0
     return (f"[{tokens} tokens · first token {(stamps[0] - t0) * 1e3:.0f} ms · {rate:.1f} tok/s · "
             f"{' -> '.join(sources)} · {handoffs} hand-off{'' if handoffs == 1 else 's'}]")
+
+
+def sampling_text(p: SamplingParams) -> str:
+    if p.temperature == 0:
+        return "greedy" + (f", repeat penalty {p.repetition_penalty:g}" if p.repetition_penalty != 1 else "")
+    return (f"temperature {p.temperature:g}, top-k {p.top_k}, top-p {p.top_p:g}, min-p {p.min_p:g}, "
+            f"repeat penalty {p.repetition_penalty:g}")

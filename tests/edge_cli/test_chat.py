@@ -63,7 +63,7 @@ def test_hybrid_chat_routes_marks_sources_and_shows_connectivity(native_backend)
     text = out.getvalue()
     assert offline.routes == ["cloud", "auto"]
     assert "[route cloud (offline: answers stay on the device)]" in text and "[route cloud; use /route" in text
-    assert "[offline; route cloud; 2 messages]" in text and "[unknown command /bogus" in text
+    assert "[offline; route cloud; 2 messages; sampling: greedy]" in text and "[unknown command /bogus" in text
     assert text.count("[local] ") == 2 and "[cloud]" not in text  # offline: a cloud hint still answers locally
     assert session.connectivity() == "offline"
     assert ChatSession(native_backend, SamplingParams(), runtime=HybridRuntime(native_backend)).connectivity() \

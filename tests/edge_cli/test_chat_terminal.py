@@ -83,15 +83,15 @@ def test_save_and_load_round_trip_and_several_lines_of_input(term, tmp_path):
     assert saved["messages"][0]["content"] == "first line\nsecond line"
     assert saved["messages"][2]["content"] == "and a third \nline"
     t.send("/reset\n/status\n")
-    t.until(r"\[device only; route auto; 0 messages\]")
+    t.until(r"\[device only; route auto; 0 messages; sampling: greedy\]")
     (tmp_path / "bad.json").write_text('{"messages": [{"role": "wizard", "content": 1}]}')
     t.send(f"/load {tmp_path / 'bad.json'}\n/load {tmp_path / 'missing.json'}\n/status\n")
     t.until(r"\[cannot load .*bad\.json: expected")
     t.until(r"\[cannot load .*missing\.json: No such file")
-    t.until(r"0 messages\]")  # a bad file changes nothing
+    t.until(r"0 messages; sampling")  # a bad file changes nothing
     t.send(f"/load {path}\n/status\n")
     t.until(r"\[loaded 4 messages from .*\]")
-    t.until(r"4 messages\]")
+    t.until(r"4 messages; sampling")
     t.send("Thanks.\n")
     t.until(SUMMARY.pattern)
     t.send(f"/save {path}\n")
