@@ -2,10 +2,11 @@
 
 Chromium (Debian's `chromium`; $CHROMIUM names another binary) is driven over the Chrome DevTools Protocol
 with the `websockets` package: the test types a question, clicks Send and polls the DOM. The page sends
-`params: {max_tokens, temperature}` from its settings row and its temperature defaults to 0, so its answer
-is the greedy one: it must equal the gateway's own /v1/chat/completions answer at temperature 0.
+`params: {max_tokens, temperature}` from its settings row; the tests set temperature 0, so its answer is the
+greedy one: it must equal the gateway's own /v1/chat/completions answer at temperature 0.
 
-Checked: text arrives progressively, in spans with data-source="local", equal to the API's answer, with
+Checked: on load the header shows the device and cloud state from /health and the settings the server's
+sampling defaults (the tests then type temperature 0); text arrives progressively, in spans with data-source="local", equal to the API's answer, with
 the route and its reason shown; the API key goes in `hello` (a wrong one is reported); Stop cancels; a
 dropped page connection is reopened and resumed with nothing lost or repeated; with a cloud worker and
 route=cloud the spans say cloud; and SIGKILLing the worker mid-answer shows a .handoff marker
@@ -144,7 +145,10 @@ def open_page(b: Browser, g) -> None:
 
 
 def ask(b: Browser, question: str, max_tokens: int, route: str = "auto", key: str = KEY) -> None:
+    """Greedy (temperature 0 typed over the server's default), so the answer can be compared with the API's."""
     b.js(f"""(() => {{
+        const t = document.getElementById('temperature');
+        t.value = '0'; t.dispatchEvent(new Event('input'));
         document.getElementById('route').value = {json.dumps(route)};
         document.getElementById('max-tokens').value = '{max_tokens}';
         document.getElementById('api-key').value = {json.dumps(key)};
@@ -186,7 +190,15 @@ def test_the_answer_streams_in_local_spans_and_equals_the_greedy_api_answer(brow
     question = "Explain how a rainbow forms."
     expected = api_answer(gw, [{"role": "user", "content": question}], 40)
     open_page(browser, gw)
-    assert browser.js("document.getElementById('temperature').value") == "0"  # greedy by default
+    health = httpx.get(gw.url + "/health").json()
+    d = health["sampling_defaults"]
+    # on load: the device and cloud state, and the server's sampling defaults in the settings (not greedy)
+    wait_for(lambda: browser.js("document.getElementById('state').textContent").startswith("device: "), 30, "state")
+    assert "device only" in browser.js("document.getElementById('state').textContent")
+    wait_for(lambda: float(browser.js("document.getElementById('temperature').value")) == d["temperature"], 30,
+             "the default temperature")
+    note = browser.js("document.getElementById('sampling-note').textContent")
+    assert d["source"] in note and f"top-k {d['top_k']}" in note and d["temperature"] > 0
     ask(browser, question, 40)
     final, seen = answer(browser)
     assert final["state"] == "done", final
