@@ -39,7 +39,6 @@ from edge_runtime.cache.guards import Signature, normalize
 from edge_runtime.cache.store import CacheStore
 from edge_runtime.request import GenerationRequest, StreamEvent, Usage
 
-MODES = ("auto", "off", "refresh")
 TOP_K = 8  # semantic candidates checked against the guards per lookup: the nearest, whatever the cache holds
 COUNTERS = ("hits_exact", "hits_semantic", "misses", "bypasses", "stores", "errors", "audits", "audit_disagreements")
 
