@@ -211,6 +211,44 @@ def test_the_answer_streams_in_local_spans_and_equals_the_greedy_api_answer(brow
     assert browser.js("document.querySelectorAll('.msg.user .answer')[0].textContent") == question
 
 
+def _luminance(css_color: str) -> float:
+    r, g, b = (int(x) for x in re.findall(r"\d+", css_color)[:3])
+    return (0.2126 * r + 0.7152 * g + 0.0722 * b) / 255
+
+
+def test_a_phone_sized_window_and_the_systems_dark_mode(browser, gw, tmp_path):
+    """At 390 px wide nothing scrolls sideways, a long answer included; with the system in dark mode the page
+    is dark and keeps its contrast. Screenshots of both go to tmp (and to $EDGE_RUNTIME_SCREENSHOTS if set)."""
+    import base64
+
+    shots = [tmp_path] + ([os.environ["EDGE_RUNTIME_SCREENSHOTS"]] if os.environ.get("EDGE_RUNTIME_SCREENSHOTS") else [])
+    try:
+        for scheme in ("light", "dark"):
+            browser.call("Emulation.setEmulatedMedia", features=[{"name": "prefers-color-scheme", "value": scheme}])
+            browser.call("Emulation.setDeviceMetricsOverride", width=390, height=844, deviceScaleFactor=1, mobile=True)
+            open_page(browser, gw)
+            wait_for(lambda: browser.js("document.getElementById('state').textContent").startswith("device: "), 30,
+                     "state")
+            ask(browser, "Explain how a rainbow forms.", 60)
+            final, _ = answer(browser)
+            assert final["state"] == "done" and final["text"]
+            png = base64.b64decode(browser.call("Page.captureScreenshot", format="png")["data"])
+            assert png[:8] == b"\x89PNG\r\n\x1a\n"
+            for folder in shots:
+                with open(os.path.join(folder, f"chat-page-{scheme}.png"), "wb") as f:
+                    f.write(png)
+            browser.js("document.querySelector('.msg.assistant .answer').lastElementChild.textContent += "
+                       "' ' + 'x'.repeat(300)")  # an unbroken word, as code or a URL would be
+            width = browser.js("[document.documentElement.scrollWidth, window.innerWidth]")
+            assert width[0] <= width[1], width
+            bg = browser.js("getComputedStyle(document.body).backgroundColor")
+            fg = browser.js("getComputedStyle(document.body).color")
+            assert (_luminance(bg) < 0.2) == (scheme == "dark") and abs(_luminance(bg) - _luminance(fg)) > 0.6, (bg, fg)
+    finally:
+        browser.call("Emulation.clearDeviceMetricsOverride")
+        browser.call("Emulation.setEmulatedMedia", features=[])
+
+
 def test_the_conversation_is_kept_and_stop_cancels(browser, gw):
     open_page(browser, gw)
     ask(browser, "Name the capital of France.", 12)
