@@ -208,6 +208,8 @@ def test_the_answer_streams_in_local_spans_and_equals_the_greedy_api_answer(brow
     assert {p.get("source") for p in final["parts"]} == {"local"}
     assert final["route"].startswith("route: local (") and expected["x_hybrid"]["route_reason"] in final["route"]
     assert f"{expected['usage']['completion_tokens']} tokens" in final["end"]
+    m = re.search(r"first token (\d+) ms · ([\d.]+) tok/s · local · 0 hand-offs", final["end"])
+    assert m and int(m[1]) > 0 and float(m[2]) > 0, final["end"]  # the answer's own figures, under it
     assert browser.js("document.querySelectorAll('.msg.user .answer')[0].textContent") == question
 
 
@@ -321,6 +323,7 @@ def test_killing_the_worker_mid_answer_shows_a_handoff_then_local_spans(browser,
     assert kinds[0] == "cloud" and ("handoff", "cloud", "local") in kinds, kinds
     after = kinds[kinds.index(("handoff", "cloud", "local")) + 1:]
     assert after and set(after) == {"local"}, kinds
+    assert "cloud \u2192 local · 1 hand-off" in final["end"], final["end"]
     marker = next(p for p in final["parts"] if "handoff" in p)
     assert marker["handoff"].startswith("cloud \u2192 local: ") and len(marker["handoff"]) > len("cloud → local: ")
     # the device continued from exactly the cloud's text: the whole is still the greedy answer
