@@ -46,12 +46,10 @@ def request_of(side: dict):
 def features(pairs: list[dict], embedder) -> dict:
     """Per pair: exact (bool), scope (bool), guards (bool: they agree), score (cosine), label (1 = hit)."""
     from edge_runtime.cache.guards import Signature
-    from edge_runtime.cache.response_cache import ResponseCache
+    from edge_runtime.cache.response_cache import request_keys
 
-    keys = ResponseCache.__new__(ResponseCache)  # only _keys is used: no file, no counters
-    keys.model = "calibration"
-    ka = [keys._keys(request_of(p["a"])) for p in pairs]
-    kb = [keys._keys(request_of(p["b"])) for p in pairs]
+    ka = [request_keys("calibration", request_of(p["a"])) for p in pairs]
+    kb = [request_keys("calibration", request_of(p["b"])) for p in pairs]
     ea = embedder.embed([p["a"]["user"] for p in pairs])
     eb = embedder.embed([p["b"]["user"] for p in pairs])
     return {"exact": np.array([a[1] == b[1] for a, b in zip(ka, kb)]),

@@ -64,6 +64,27 @@ class _Lookup:
     deltas: list = field(default_factory=list)
 
 
+def request_keys(model: str, request: GenerationRequest) -> tuple[str, str, str]:
+    """(scope, exact, query): the hashes that must match for `model`'s answers, and the last message."""
+    p = request.params
+    sampling = {"max_tokens": p.max_tokens, "temperature": float(p.temperature), "top_k": p.top_k,
+                "top_p": float(p.top_p), "min_p": float(p.min_p),
+                "repetition_penalty": float(p.repetition_penalty), "repeat_last_n": p.repeat_last_n,
+                "seed": None if p.greedy else p.seed, "stop": list(p.stop), "ignore_eos": p.ignore_eos}
+    if request.messages is not None:
+        *earlier, last = request.messages
+        context = [[m["role"], normalize(m["content"])] for m in earlier]
+        query = last["content"] if last["role"] == "user" else ""
+        if not query:  # a conversation that does not end with the user: the whole of it is the context
+            context, query = context + [[last["role"], normalize(last["content"])]], ""
+    else:
+        context, query = [["prompt"]], request.prompt
+    scope = json.dumps([model, sampling, request.route, request.local_only, context], ensure_ascii=False)
+    scope = hashlib.sha256(scope.encode()).hexdigest()
+    exact = hashlib.sha256(f"{scope}\0{normalize(query)}".encode()).hexdigest()
+    return scope, exact, query
+
+
 class ResponseCache:
     def __init__(self, path: str, model: str, embedder=None, threshold: float | None = None, sampled: bool = False,
                  audit_share: float = 0.0, **store_limits):
@@ -96,27 +117,6 @@ class ResponseCache:
             print(f"edge-runtime: response cache {getattr(self.store, 'path', '')!s} unusable ({self.broken}); "
                   f"answering without it", file=sys.stderr, flush=True)
 
-    # --- keys ---------------------------------------------------------------------------------------
-    def _keys(self, request: GenerationRequest) -> tuple[str, str, str]:
-        """(scope, exact, query): the hashes that must match and the last message."""
-        p = request.params
-        sampling = {"max_tokens": p.max_tokens, "temperature": float(p.temperature), "top_k": p.top_k,
-                    "top_p": float(p.top_p), "min_p": float(p.min_p),
-                    "repetition_penalty": float(p.repetition_penalty), "repeat_last_n": p.repeat_last_n,
-                    "seed": None if p.greedy else p.seed, "stop": list(p.stop), "ignore_eos": p.ignore_eos}
-        if request.messages is not None:
-            *earlier, last = request.messages
-            context = [[m["role"], normalize(m["content"])] for m in earlier]
-            query = last["content"] if last["role"] == "user" else ""
-            if not query:  # a conversation that does not end with the user: the whole of it is the context
-                context, query = context + [[last["role"], normalize(last["content"])]], ""
-        else:
-            context, query = [["prompt"]], request.prompt
-        scope = json.dumps([self.model, sampling, request.route, request.local_only, context], ensure_ascii=False)
-        scope = hashlib.sha256(scope.encode()).hexdigest()
-        exact = hashlib.sha256(f"{scope}\0{normalize(query)}".encode()).hexdigest()
-        return scope, exact, query
-
     def _bypass(self, request: GenerationRequest) -> bool:
         return (self.store is None or self.broken is not None or request.cache == "off" or bool(request.prefix)
                 or (not request.params.greedy and not self.sampled))
@@ -127,7 +127,7 @@ class ResponseCache:
         if self._bypass(request):
             self.counters["bypasses"] += 1
             return None
-        scope, exact, query = self._keys(request)
+        scope, exact, query = request_keys(self.model, request)
         look = _Lookup(request.tenant, scope, exact, query, Signature.of(query))
         if request.cache == "refresh":
             self.counters["bypasses"] += 1

@@ -15,14 +15,7 @@ from websockets.exceptions import ConnectionClosed
 
 from cloud_fallback.client import WorkerAuthError, WorkerClient, WorkerStreamError
 from tests.cloud_fallback.worker_fixtures import (PROMPTS, WorkerProcess, answers_at_once, collect, gen, joined,
-                                                  open_raw, plain_worker, run, solo_runs)
-
-
-@pytest.fixture(scope="module")
-def worker():
-    w = plain_worker()
-    yield w
-    w.stop()
+                                                  open_raw, run)
 
 
 def wait_for(cond, timeout=30.0):
@@ -32,12 +25,6 @@ def wait_for(cond, timeout=30.0):
             return True
         time.sleep(0.05)
     return False
-
-
-@pytest.fixture(scope="module")
-def solo(worker):
-    """Each prompt run alone (one stream in flight at a time): (text, token ids, done)."""
-    return solo_runs(worker)
 
 
 def test_concurrent_greedy_streams_equal_solo_runs(worker, solo):

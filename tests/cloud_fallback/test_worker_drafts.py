@@ -1,22 +1,7 @@
 """The worker with drafts (`--draft ngram`, `--draft mtp`) as a real process on loopback: drafts are verified
 as rows of the batched steps (counted on /metrics) and every answer is token for token the plain worker's."""
-import pytest
-
 from tests.cloud_fallback.worker_fixtures import (PROMPTS, WorkerProcess, answers_at_once, collect, gen, joined,
-                                                  open_raw, plain_worker, run, solo_runs)
-
-
-@pytest.fixture(scope="module")
-def worker():
-    w = plain_worker()
-    yield w
-    w.stop()
-
-
-@pytest.fixture(scope="module")
-def solo(worker):
-    """The plain worker's answers, each prompt run alone: (text, token ids, done)."""
-    return solo_runs(worker)
+                                                  open_raw, run)
 
 
 def test_a_worker_with_ngram_drafts_answers_as_without(worker, solo):
