@@ -34,6 +34,12 @@ from edge_runtime.engine import sampling_defaults
 from edge_runtime.server.schemas import APIError, ChatCompletionRequest, CompletionRequest, ErrorResponse, to_generation_request
 
 STATIC = os.path.join(os.path.dirname(__file__), "static")
+STATIC_TYPES = {".js": "text/javascript", ".css": "text/css"}
+# The page runs only its own files' scripts: model output that became markup could run nothing.
+PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+                                           "connect-src 'self'; object-src 'none'; base-uri 'none'; "
+                                           "frame-ancestors 'none'; form-action 'self'",
+                "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"}
 # What /openapi.json publishes: the errors as they are sent ("4XX" also stops FastAPI documenting a 422 that
 # never comes) and, for generation, the SSE answer to `stream: true`.
 V1_ERRORS = {"4XX": {"model": ErrorResponse, "description": "400 invalid, 401 key, 404 model, 429 busy"}}
@@ -235,7 +241,15 @@ def create_app(gateway: Gateway, resume_grace_s: float = 30.0) -> FastAPI:
         if not os.path.exists(path):
             return HTMLResponse("<p>edge-runtime gateway: the API is at /v1</p>")
         with open(path, encoding="utf-8") as f:
-            return HTMLResponse(f.read())
+            return HTMLResponse(f.read(), headers=PAGE_HEADERS)
+
+    @app.get("/static/{name}", include_in_schema=False)
+    async def static(name: str):
+        kind = STATIC_TYPES.get(os.path.splitext(name)[1])
+        if kind is None or name not in os.listdir(STATIC):
+            raise HTTPException(404, f"no file {name!r} in the page's folder")
+        with open(os.path.join(STATIC, name), encoding="utf-8") as f:
+            return Response(f.read(), media_type=kind, headers=PAGE_HEADERS)
 
     @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
     async def chat(body: ChatCompletionRequest, request: Request):

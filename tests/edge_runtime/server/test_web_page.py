@@ -1,9 +1,7 @@
-"""The chat page at / in a real headless Chromium, against real `edge-runtime serve` processes.
+"""The chat page at / in a real headless Chromium (page_driver.py), against real `edge-runtime serve` processes.
 
-Chromium (Debian's `chromium`; $CHROMIUM names another binary) is driven over the Chrome DevTools Protocol
-with the `websockets` package: the test types a question, clicks Send and polls the DOM. The page sends
-`params: {max_tokens, temperature}` from its settings row; the tests set temperature 0, so its answer is the
-greedy one: it must equal the gateway's own /v1/chat/completions answer at temperature 0.
+The page sends `params: {max_tokens, temperature}` from its settings row; the tests set temperature 0, so its
+answer is the greedy one: it must equal the gateway's own /v1/chat/completions answer at temperature 0.
 
 Checked: on load the header shows the device and cloud state from /health and the settings the server's
 sampling defaults (the tests then type temperature 0); text arrives progressively, in spans with data-source="local", equal to the API's answer, with
@@ -16,101 +14,13 @@ The module skips when no chromium binary is found.
 import json
 import os
 import re
-import shutil
-import subprocess
-import threading
-import time
 
 import httpx
 import pytest
-from websockets.sync.client import connect
 
 from cloud_fallback.launcher import WorkerProcess
-from tests.edge_runtime.server.gateway_fixtures import KEY, Gateway, stop_group
-
-STORY = "Write a very long story about a dragon who learns to paint."
-
-
-def find_chromium() -> str | None:
-    for name in (os.environ.get("CHROMIUM"), "chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
-        path = name and shutil.which(name)
-        if path:
-            return path
-    return None
-
-
-class Browser:
-    """Headless Chromium with one page, attached over a flat CDP session."""
-
-    def __init__(self, binary: str, profile: str):
-        self.proc = subprocess.Popen(
-            [binary, "--headless=new", "--remote-debugging-port=0", f"--user-data-dir={profile}", "--no-sandbox",
-             "--disable-gpu", "--no-first-run", "--no-default-browser-check", "--disable-extensions",
-             "--disable-background-networking", "--disable-dev-shm-usage", "--no-proxy-server", "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
-        self.stderr: list[str] = []
-        found = threading.Event()
-
-        def read():
-            for line in self.proc.stderr:
-                self.stderr.append(line)
-                if "DevTools listening on ws://" in line:
-                    found.set()
-        threading.Thread(target=read, daemon=True).start()
-        if not found.wait(60):
-            self.close()
-            raise RuntimeError("chromium did not start: " + "".join(self.stderr)[-2000:])
-        url = re.search(r"DevTools listening on (ws://\S+)", "".join(self.stderr))[1]
-        # NOTE: entered as a context manager (closed in close()): websockets >= 17 warns otherwise
-        self.ws = connect(url, max_size=None, proxy=None, open_timeout=30).__enter__()
-        self.last_id, self.session = 0, None
-        target = self.call("Target.createTarget", url="about:blank")["targetId"]
-        self.session = self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
-
-    def call(self, method: str, timeout: float = 30, **params):
-        self.last_id += 1
-        msg = {"id": self.last_id, "method": method, "params": params}
-        if self.session:
-            msg["sessionId"] = self.session
-        self.ws.send(json.dumps(msg))
-        deadline = time.monotonic() + timeout
-        while True:  # events (none enabled but target ones) are skipped
-            reply = json.loads(self.ws.recv(timeout=max(0.1, deadline - time.monotonic())))
-            if reply.get("id") == self.last_id:
-                if "error" in reply:
-                    raise RuntimeError(f"{method}: {reply['error']}")
-                return reply["result"]
-
-    def js(self, expression: str):
-        r = self.call("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)
-        if "exceptionDetails" in r:
-            raise RuntimeError(f"{expression[:80]!r}: {r['exceptionDetails']}")
-        return r["result"].get("value")
-
-    def close(self):
-        if getattr(self, "ws", None) is not None:
-            self.ws.close()
-        stop_group(self.proc, 10)
-
-
-def wait_for(check, timeout=60.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory):
-    binary = find_chromium()
-    if binary is None:
-        pytest.skip("no chromium binary (apt-get install chromium, or set $CHROMIUM)")
-    b = Browser(binary, str(tmp_path_factory.mktemp("chromium-profile")))
-    yield b
-    b.close()
+from tests.edge_runtime.server.gateway_fixtures import Gateway
+from tests.edge_runtime.server.page_driver import STORY, answer, api_answer, ask, open_page, screenshot, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -127,63 +37,6 @@ def cloud(tmp_path_factory):
     yield w, g
     g.stop()
     w.stop()
-
-
-def api_answer(g, messages, max_tokens, route="auto") -> dict:
-    r = httpx.post(g.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=300,
-                   json={"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-                         "route": route})
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def open_page(b: Browser, g) -> None:
-    b.call("Page.navigate", url=g.url + "/")
-    url = json.dumps(g.url + "/")
-    wait_for(lambda: b.js(f"location.href === {url} && document.readyState === 'complete' && "
-                          f"!!document.getElementById('send')"), 30, "the page")
-
-
-def ask(b: Browser, question: str, max_tokens: int, route: str = "auto", key: str = KEY) -> None:
-    """Greedy (temperature 0 typed over the server's default), so the answer can be compared with the API's."""
-    b.js(f"""(() => {{
-        const t = document.getElementById('temperature');
-        t.value = '0'; t.dispatchEvent(new Event('input'));
-        document.getElementById('route').value = {json.dumps(route)};
-        document.getElementById('max-tokens').value = '{max_tokens}';
-        document.getElementById('api-key').value = {json.dumps(key)};
-        document.getElementById('prompt').focus(); }})()""")
-    b.call("Input.insertText", text=question)  # typed, as a keyboard would
-    b.js("document.getElementById('send').click()")
-
-
-SNAPSHOT = """(() => {
-    const m = [...document.querySelectorAll('.msg.assistant')].pop();
-    if (!m) return null;
-    const parts = [...m.querySelector('.answer').children].map((e) => e.classList.contains('handoff')
-        ? {handoff: e.textContent, from: e.dataset.from, to: e.dataset.to}
-        : {source: e.dataset.source, text: e.textContent});
-    return {state: m.dataset.state, route: m.querySelector('.route').textContent, parts,
-            end: m.querySelector('.end').textContent, status: document.getElementById('status').textContent};
-})()"""
-
-
-def answer(b: Browser, during=None, timeout=240.0):
-    """Poll the last answer until it ends: (final snapshot, texts seen while streaming).
-    `during(snapshot)` runs at each poll while it streams (to stop, drop or kill something mid-answer)."""
-    seen, deadline = [], time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        snap = b.js(SNAPSHOT)
-        if snap is not None:
-            snap["text"] = "".join(p.get("text", "") for p in snap["parts"])
-            if snap["state"] != "streaming":
-                return snap, seen
-            if snap["text"] and (not seen or seen[-1] != snap["text"]):
-                seen.append(snap["text"])
-            if during is not None:
-                during(snap)
-        time.sleep(0.02)
-    raise AssertionError(f"the answer did not end: {b.js(SNAPSHOT)}")
 
 
 def test_the_answer_streams_in_local_spans_and_equals_the_greedy_api_answer(browser, gw):
@@ -221,9 +74,6 @@ def _luminance(css_color: str) -> float:
 def test_a_phone_sized_window_and_the_systems_dark_mode(browser, gw, tmp_path):
     """At 390 px wide nothing scrolls sideways, a long answer included; with the system in dark mode the page
     is dark and keeps its contrast. Screenshots of both go to tmp (and to $EDGE_RUNTIME_SCREENSHOTS if set)."""
-    import base64
-
-    shots = [tmp_path] + ([os.environ["EDGE_RUNTIME_SCREENSHOTS"]] if os.environ.get("EDGE_RUNTIME_SCREENSHOTS") else [])
     try:
         for scheme in ("light", "dark"):
             browser.call("Emulation.setEmulatedMedia", features=[{"name": "prefers-color-scheme", "value": scheme}])
@@ -234,12 +84,8 @@ def test_a_phone_sized_window_and_the_systems_dark_mode(browser, gw, tmp_path):
             ask(browser, "Explain how a rainbow forms.", 60)
             final, _ = answer(browser)
             assert final["state"] == "done" and final["text"]
-            png = base64.b64decode(browser.call("Page.captureScreenshot", format="png")["data"])
-            assert png[:8] == b"\x89PNG\r\n\x1a\n"
-            for folder in shots:
-                with open(os.path.join(folder, f"chat-page-{scheme}.png"), "wb") as f:
-                    f.write(png)
-            browser.js("document.querySelector('.msg.assistant .answer').lastElementChild.textContent += "
+            screenshot(browser, f"chat-page-{scheme}.png", tmp_path)
+            browser.js("document.querySelector('.msg.assistant .answer [data-source]').textContent += "
                        "' ' + 'x'.repeat(300)")  # an unbroken word, as code or a URL would be
             width = browser.js("[document.documentElement.scrollWidth, window.innerWidth]")
             assert width[0] <= width[1], width
@@ -264,8 +110,8 @@ def test_the_conversation_is_kept_and_stop_cancels(browser, gw):
     final, _ = answer(browser, during=stop)
     assert first["state"] == "done" and "Paris" in first["text"] and stopped
     assert final["state"] == "cancelled" and "cancelled" in final["end"] and final["text"]
-    conversation = browser.js("JSON.stringify(conversation)")
-    assert [m["role"] for m in json.loads(conversation)] == ["user", "assistant", "user", "assistant"]
+    roles = browser.js("current().messages.map((m) => m.role)")
+    assert roles == ["user", "assistant", "user", "assistant"]
     assert browser.js("document.getElementById('send').disabled") is False
 
 
