@@ -19,6 +19,7 @@ the device backend in this process:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import statistics
 import sys
@@ -45,17 +46,18 @@ def _req(prompt: str, max_tokens: int, route: str = "auto") -> GenerationRequest
 
 
 async def _ttft(runtime, request) -> float:
-    t0 = time.perf_counter()
-    agen = runtime.stream(request)
-    try:
-        async for ev in agen:
-            if ev.type == "delta":
-                return (time.perf_counter() - t0) * 1000.0
+    """ms to the first delta. The answer is read to its end, so no request still runs on the shared cores (a
+    cancelled cloud answer's last steps) while the next one is timed."""
+    t0, ttft = time.perf_counter(), None
+    async with contextlib.aclosing(runtime.stream(request)) as events:
+        async for ev in events:
+            if ev.type == "delta" and ttft is None:
+                ttft = (time.perf_counter() - t0) * 1000.0
             if ev.type == "error":
                 raise RuntimeError(ev.error)
-    finally:
-        await agen.aclose()
-    raise RuntimeError("no delta")
+    if ttft is None:
+        raise RuntimeError("no delta")
+    return ttft
 
 
 async def _handoff_gap(runtime, request) -> float | None:
