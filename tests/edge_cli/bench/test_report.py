@@ -110,7 +110,8 @@ def report(tmp_path_factory):
 
 
 def _row(page: str, needle: str) -> str:
-    rows = [r for r in re.findall(r"<tr>.*?</tr>", page) if needle in r]
+    """The one row of a section's table (not the summary's) that contains `needle`."""
+    rows = [r for r in re.findall(r"<tr>.*?</tr>", page[page.index("<h2 id="):]) if needle in r]
     assert len(rows) == 1, (needle, rows)
     return re.sub(r"<[^>]+>", "|", rows[0])
 
@@ -119,7 +120,8 @@ def test_every_kind_is_recognised_by_its_keys():
     kinds = {name: recognise(data) for name, data in FILES.items()}
     assert kinds == {"run-a.json": "decode", "run-b.json": "kv", "run-c.json": "attention", "run-d.json": "batching",
                      "run-e.json": "batching", "run-f.json": "hybrid", "run-g.json": "spec", "other.json": None}
-    assert set(KINDS) == {"decode", "kv", "attention", "batching", "hybrid", "spec"}
+    assert set(KINDS) == {"decode", "perplexity", "kv", "attention", "batching", "batching-draft", "hybrid", "cache",
+                          "serve", "spec"}
     assert recognise([1, 2]) is None and recognise({"mtp.mean_accepted": 2.1}) == "spec"
 
 
@@ -219,3 +221,22 @@ def test_real_bench_results(tmp_path, capsys):
     for png in re.findall(r"<img src='([^']+)'", page):
         assert (tmp_path / png).read_bytes()[:8] == PNG_MAGIC
     assert "could not be drawn" not in capsys.readouterr().err
+
+
+def test_perplexity_runs_are_drawn_together_and_named_by_their_arith():
+    run = {"tokens": 3570, "windows": 14, "ctx": 512, "cpu_model": "AMD EPYC", "isa": "avx2", "threads": 2}
+    files = {"a.json": {**run, "ppl": 18.372, "backend": "native", "arith": "int8"},
+             "b.json": {**run, "ppl": 18.299, "backend": "native", "arith": "exact"},
+             "c.json": {**run, "ppl": 18.3456, "backend": "llama.cpp", "arith": None},
+             "e.json": {**run, "tokens": 100, "ppl": 30.0, "backend": "llama.cpp"}}  # other tokens: not compared
+    assert {recognise(d) for d in files.values()} == {"perplexity"}
+    _, _, rows, fig = draw("perplexity", files)
+    got = {(r.figure, r.anchor): (r.ratio, r.met) for r in rows}
+    assert got == {("perplexity, native --arith int8", "native --arith exact 18.2990"): ("+0.40 % (a / b - 1)", True),
+                   ("perplexity, native --arith int8", "llama.cpp (c.json) 18.3456"): ("+0.14 % (a / b - 1)", True),
+                   ("perplexity, native --arith exact", "llama.cpp (c.json) 18.3456"): ("-0.25 % (a / b - 1)", True)}
+    files["d.json"] = {**run, "ppl": 18.6, "backend": "native", "arith": "int8"}  # a second int8 run, 1.2 % off
+    _, _, rows, _ = draw("perplexity", files)
+    assert len(rows) == 5 and "native --arith int8 (a.json)" in {r.figure[12:] for r in rows}  # named by file now
+    assert [r.met for r in rows if "d.json" in r.figure + r.anchor] == [False, False]  # int8 runs: not paired
+    assert len(fig.axes) == 2

@@ -147,24 +147,24 @@ SNAPSHOT = """(() => {
 })()"""
 
 
-def answer(b: Browser, during=None, timeout=240.0):
+def answer(b: Browser, midway=None, after: int = 20, timeout=240.0):
     """Poll the last answer until it ends: (final snapshot, texts seen while streaming).
-    `during(snapshot)` runs at each poll while it streams (to stop, drop or kill something mid-answer)."""
-    seen, deadline = [], time.monotonic() + timeout
+    `midway()` runs once, when the answer has more than `after` characters (to stop, drop, reload or kill
+    something mid-answer); the final snapshot's "midway" is the text it had then (None: it ended first)."""
+    seen, ran, deadline = [], None, time.monotonic() + timeout
     while time.monotonic() < deadline:
         snap = b.js(SNAPSHOT)
         if snap is not None:
             snap["text"] = snap["raw"]  # the answer's markdown as it came; `parts` and `shown` are the rendering
             if snap["state"] != "streaming":
-                return snap, seen
+                return {**snap, "midway": ran}, seen
             if snap["text"] and (not seen or seen[-1] != snap["text"]):
                 seen.append(snap["text"])
-            if during is not None:
-                during(snap)
+            if midway is not None and ran is None and len(snap["text"]) > after:
+                ran = snap["text"]
+                midway()
         time.sleep(0.02)
     raise AssertionError(f"the answer did not end: {b.js(SNAPSHOT)}")
-
-
 
 
 def screenshot(b: Browser, name: str, folder) -> None:

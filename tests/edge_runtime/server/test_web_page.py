@@ -102,13 +102,8 @@ def test_the_conversation_is_kept_and_stop_cancels(browser, gw):
     ask(browser, "Name the capital of France.", 12)
     first, _ = answer(browser)
     ask(browser, STORY, 400)
-    stopped = []
-
-    def stop(snap):
-        if not stopped and len(snap["text"]) > 20:
-            stopped.append(browser.js("document.getElementById('stop').click()"))
-    final, _ = answer(browser, during=stop)
-    assert first["state"] == "done" and "Paris" in first["text"] and stopped
+    final, _ = answer(browser, midway=lambda: browser.js("document.getElementById('stop').click()"))
+    assert first["state"] == "done" and "Paris" in first["text"] and final["midway"]
     assert final["state"] == "cancelled" and "cancelled" in final["end"] and final["text"]
     roles = browser.js("current().messages.map((m) => m.role)")
     assert roles == ["user", "assistant", "user", "assistant"]
@@ -120,14 +115,8 @@ def test_a_dropped_connection_is_resumed_with_nothing_lost_or_repeated(browser, 
     expected = api_answer(gw, [{"role": "user", "content": question}], 80)["choices"][0]["message"]["content"]
     open_page(browser, gw)
     ask(browser, question, 80)
-    dropped = []
-
-    def drop(snap):
-        if not dropped and len(snap["text"]) > 20:
-            dropped.append(snap["text"])
-            browser.js("window.oldSocket = ws; ws.close()")  # the page sees its connection go
-    final, _ = answer(browser, during=drop)
-    assert dropped and len(dropped[0]) < len(final["text"])
+    final, _ = answer(browser, midway=lambda: browser.js("window.oldSocket = ws; ws.close()"))  # the page sees it go
+    assert final["midway"] and len(final["midway"]) < len(final["text"])
     assert final["state"] == "done" and final["text"] == expected
     assert browser.js("ws !== null && ws !== window.oldSocket && ws.readyState === WebSocket.OPEN")
 
@@ -157,14 +146,8 @@ def test_killing_the_worker_mid_answer_shows_a_handoff_then_local_spans(browser,
     expected = api_answer(g, [{"role": "user", "content": STORY}], 200, route="local")["choices"][0]["message"]
     open_page(browser, g)
     ask(browser, STORY, 200, route="cloud")
-    killed = []
-
-    def kill(snap):
-        if not killed and len(snap["text"]) > 20:
-            killed.append(snap["text"])
-            worker.kill()
-    final, _ = answer(browser, during=kill)
-    assert killed and final["state"] == "done", final
+    final, _ = answer(browser, midway=worker.kill)
+    assert final["midway"] and final["state"] == "done", final
     kinds = [("handoff", p["from"], p["to"]) if "handoff" in p else p["source"] for p in final["parts"]]
     assert kinds[0] == "cloud" and ("handoff", "cloud", "local") in kinds, kinds
     after = kinds[kinds.index(("handoff", "cloud", "local")) + 1:]

@@ -158,15 +158,9 @@ def test_an_answer_streaming_when_the_page_reloads_is_resumed_whole(browser, gw)
     expected = api_answer(gw, [{"role": "user", "content": STORY}], 160)["choices"][0]["message"]["content"]
     open_page(browser, gw)
     ask(browser, STORY, 160)
-    reloaded = []
-
-    def reload(snap):
-        if not reloaded and len(snap["raw"]) > 40:
-            reloaded.append(snap["raw"])
-            open_page(browser, gw, new_chat=False)
-    final, _ = answer(browser, during=reload)
-    assert reloaded and final["state"] == "done", final
-    assert final["raw"] == expected and final["raw"].startswith(reloaded[0])
+    final, _ = answer(browser, midway=lambda: open_page(browser, gw, new_chat=False), after=40)
+    assert final["midway"] and final["state"] == "done", final
+    assert final["raw"] == expected and final["raw"].startswith(final["midway"])
 
 
 def test_keyboard_shortcuts_send_stop_focus_and_copy(browser, gw):
@@ -179,13 +173,8 @@ def test_keyboard_shortcuts_send_stop_focus_and_copy(browser, gw):
     browser.call("Input.insertText", text=STORY)
     browser.js("document.getElementById('max-tokens').value = '400'")
     browser.press("Enter", "Enter", 13, text="\r")  # Enter sends
-    stopped = []
-
-    def escape(snap):
-        if not stopped and len(snap["raw"]) > 20:
-            stopped.append(browser.press("Escape", "Escape", 27))  # Esc stops
-    final, _ = answer(browser, during=escape)
-    assert stopped and final["state"] == "cancelled" and final["raw"]
+    final, _ = answer(browser, midway=lambda: browser.press("Escape", "Escape", 27))  # Esc stops
+    assert final["midway"] and final["state"] == "cancelled" and final["raw"]
     assert browser.js("current().messages.map((m) => m.role)") == ["user", "assistant"]
     browser.press("C", "KeyC", 67, CTRL_SHIFT)  # Ctrl+Shift+C copies the last answer
     wait_for(lambda: clipboard(browser) == final["raw"], 10, "the last answer in the clipboard")
