@@ -262,7 +262,8 @@ function onFrame(f) {
   } else if (f.type === "handoff") {
     msg.handoffs.push({ from: f.from, to: f.to, reason: f.reason, at: msg.content.length });
   } else if (f.type === "finish") {
-    const u = f.usage ? `, ${f.usage.completion_tokens} tokens` : "";
+    const n = f.usage ? f.usage.completion_tokens : 0;  // 0 for a cached answer: its tokens were replayed
+    const u = !f.usage ? "" : n || !s.tokens ? `, ${n} tokens` : `, ${s.tokens} tokens replayed`;
     return end(f.id, f.finish_reason === "cancelled" ? "cancelled" : "done", `${f.finish_reason}${u}${stats(s, f)}`);
   } else if (f.type === "error") {
     return end(f.id, "error", `${f.code}: ${f.message}`);

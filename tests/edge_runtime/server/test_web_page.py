@@ -89,6 +89,14 @@ def test_a_phone_sized_window_and_the_systems_dark_mode(browser, gw, tmp_path):
                        "' ' + 'x'.repeat(300)")  # an unbroken word, as code or a URL would be
             width = browser.js("[document.documentElement.scrollWidth, window.innerWidth]")
             assert width[0] <= width[1], width
+            # the conversations are a menu here: hidden until the button opens them
+            assert browser.js("getComputedStyle(document.getElementById('chats')).display") == "none"
+            browser.js("document.getElementById('toggle-chats').click()")
+            assert browser.js("getComputedStyle(document.getElementById('chats')).display") == "flex"
+            assert browser.js("document.querySelector('#chat-list .open').textContent") == "Explain how a rainbow forms."
+            assert browser.js("document.getElementById('chats').getBoundingClientRect().right <= innerWidth")
+            browser.js("document.querySelector('#chat-list .open').click()")  # choosing one closes the menu
+            assert browser.js("getComputedStyle(document.getElementById('chats')).display") == "none"
             bg = browser.js("getComputedStyle(document.body).backgroundColor")
             fg = browser.js("getComputedStyle(document.body).color")
             assert (_luminance(bg) < 0.2) == (scheme == "dark") and abs(_luminance(bg) - _luminance(fg)) > 0.6, (bg, fg)

@@ -78,7 +78,7 @@ def test_markdown_is_rendered_and_model_markup_stays_inert_seeded_cache_entry(br
     ask(browser, QUESTION, 16)
     final, _ = answer(browser)  # a replay is too quick to poll while it streams: the page drew each delta
     assert final["state"] == "done" and final["raw"] == MARKDOWN
-    assert {p["source"] for p in final["parts"]} == {"cache"}
+    assert {p["source"] for p in final["parts"]} == {"cache"} and "tokens replayed" in final["end"]
     # nothing the model (or the user) wrote ran, or even tried to: no flag, no dialog, no blocked script
     assert browser.js("[window.__xss === undefined, window.__csp === undefined, document.title]") == \
         [True, True, "edge-runtime chat"]
