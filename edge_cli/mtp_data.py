@@ -23,6 +23,8 @@ import random
 import torch
 
 from edge_runtime import DATA_DIR
+from edge_runtime.errors import EdgeRuntimeError
+from edge_runtime.spec.mtp import base_fingerprint
 from edge_runtime.engine.completion import build_prompt, prompt_ids
 from edge_runtime.request import GenerationRequest, SamplingParams
 from edge_runtime.engine.sampler import Sampler
@@ -66,13 +68,29 @@ def passages(min_chars: int = 300, max_chars: int = 900) -> list[str]:
 
 
 def training_prompts(seed: int = 0) -> list[str]:
-    """Every prompt the heads are trained on, in a fixed order (shuffled with `seed`)."""
+    """The small set (782 prompts; the shipped heads' data), in a fixed order (shuffled with `seed`)."""
     with open(os.path.join(DATA_DIR, "routing_prompts.jsonl"), encoding="utf-8") as f:
         prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
     prompts += [tpl.format(t=t) for t in TOPICS for tpl in TEMPLATES]
     prompts += [task.format(p=p) for i, p in enumerate(passages()) for task in PASSAGE_TASKS[i % 2::2]]
     random.Random(seed).shuffle(prompts)
     return prompts
+
+
+def large_prompts(seed: int = 0) -> list[list[dict]]:
+    """The large set, as message lists: the small set, then `mtp_prompts.json`'s templates over its topics and
+    its self-contained tasks; a quarter of the new ones (seeded) open with one of its personas as the system
+    prompt. Shuffled with `seed`; the small set comes first, unchanged, so its answers are the same."""
+    with open(os.path.join(DATA_DIR, "mtp_prompts.json"), encoding="utf-8") as f:
+        spec = json.load(f)
+    rng = random.Random(seed)
+    extra = [tpl.format(t=t) for t in spec["topics"] for tpl in spec["templates"]] + list(spec["tasks"])
+    rng.shuffle(extra)
+    out = [[{"role": "user", "content": p}] for p in training_prompts(seed)]
+    for p in extra:
+        system = [{"role": "system", "content": rng.choice(spec["personas"])}] if rng.random() < 0.25 else []
+        out.append(system + [{"role": "user", "content": p}])
+    return out
 
 
 class _Answer:
@@ -97,17 +115,14 @@ class _Answer:
 
 
 @torch.inference_mode()
-def build_dataset(backend, out_path: str, num_prompts: int | None = None, max_tokens: int = 160,
-                  temperatures: tuple = (0.0, 0.8), seed: int = 0, batch: int = 8, progress=print) -> dict:
-    """Answers to the first `num_prompts` training prompts, once per temperature, saved with torch.save.
+def answer_jobs(backend, jobs: list[tuple], max_tokens: int, seed: int, batch: int = 8, progress=print) -> list[dict]:
+    """The records of `jobs` [(temperature, job number, messages)], in order; job n samples with seed + n.
 
     Up to `batch` answers decode together through the fused batched step (each row computed exactly
     as a lone one-token step, so the records equal what single-stream decoding would give)."""
     model, runner = backend.model, backend.runner
     if model.fused is None:
         raise RuntimeError("building MTP data needs the fused GGUF decode step (x86-64 with AVX2)")
-    prompts = training_prompts(seed)[:num_prompts]
-    jobs = [(t, i, p) for t in temperatures for i, p in enumerate(prompts)]
     span = -(-(runner.n_ctx) // model.kv.block_size)  # blocks per slot: one full context each
     if model.kv.num_blocks < batch * span:
         batch = max(1, model.kv.num_blocks // span)
@@ -119,10 +134,10 @@ def build_dataset(backend, out_path: str, num_prompts: int | None = None, max_to
     while nxt < len(jobs) or live:
         for slot in range(batch):  # fill free slots: prefill, then the first token
             while slot not in live and nxt < len(jobs):
-                temp, i, p = jobs[nxt]
-                req = GenerationRequest(messages=[{"role": "user", "content": p}], params=SamplingParams())
+                temp, n, messages = jobs[nxt]
+                req = GenerationRequest(messages=messages, params=SamplingParams())
                 ids = prompt_ids(runner, build_prompt(req, backend.template))[:runner.n_ctx - max_tokens - 1]
-                a = _Answer(nxt, ids, tables[slot], temp, seed + nxt, max_tokens)
+                a = _Answer(nxt, ids, tables[slot], temp, seed + n, max_tokens)
                 a.logits = model(torch.tensor(ids), 0, block_table=a.table)[-1].float()
                 a.hidden = model.last_hidden.float()
                 nxt += 1
@@ -146,8 +161,68 @@ def build_dataset(backend, out_path: str, num_prompts: int | None = None, max_to
                 if progress and done % 40 == 0:
                     progress(f"  {done}/{len(jobs)} answers, {tokens} tokens")
     runner.reset()
+    return records
+
+
+def _jobs(prompts: list, temperatures: tuple) -> list[tuple]:
+    """One job per (temperature, prompt), numbered in that order (the number seeds its sampling)."""
+    return [(t, n, p) for n, (t, p) in enumerate((t, p) for t in temperatures for p in prompts)]
+
+
+def build_dataset(backend, out_path: str, num_prompts: int | None = None, max_tokens: int = 160,
+                  temperatures: tuple = (0.0, 0.8), seed: int = 0, batch: int = 8, progress=print) -> dict:
+    """Answers to the first `num_prompts` prompts of the small set, once per temperature, saved with torch.save."""
+    prompts = training_prompts(seed)[:num_prompts]
+    jobs = _jobs([[{"role": "user", "content": p}] for p in prompts], temperatures)
+    records = answer_jobs(backend, jobs, max_tokens, seed, batch, progress)
     data = {"records": records, "prompts": len(prompts), "temperatures": list(temperatures), "seed": seed,
             "max_tokens": max_tokens}
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     torch.save(data, out_path)
     return data
+
+
+def build_shards(backend, out_dir: str, num_prompts: int | None = None, max_tokens: int = 160,
+                 temperatures: tuple = (0.0, 0.8), seed: int = 0, shard_jobs: int = 256, batch: int = 8,
+                 progress=print) -> dict:
+    """Answers to the large set, in shards of `shard_jobs` answers (`shard-00000.pt` ...), for data at scale.
+
+    Resumable: a shard already on disk is kept (each is written whole, then renamed), so the command can be
+    stopped and run again, on this machine or another, and goes on where it was; `settings.json` records what
+    the shards are answers to, and a folder made with other settings is refused. Returns the settings with
+    the number of shards and answer tokens on disk."""
+    prompts = large_prompts(seed)[:num_prompts]
+    jobs = _jobs(prompts, temperatures)
+    settings = {"prompt_set": "large", "prompts": len(prompts), "temperatures": list(temperatures), "seed": seed,
+                "max_tokens": max_tokens, "shard_jobs": shard_jobs, "model": base_fingerprint(backend)}
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "settings.json")
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            old = json.load(f)
+        if old != settings:
+            raise EdgeRuntimeError(f"train-mtp: {out_dir} holds shards made with other settings ({old}); use "
+                                   f"another --data folder")
+    else:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(settings, f, indent=1)
+    shards = -(-len(jobs) // shard_jobs)
+    for k in range(shards):
+        name = os.path.join(out_dir, f"shard-{k:05d}.pt")
+        if os.path.exists(name):
+            continue
+        part = jobs[k * shard_jobs:(k + 1) * shard_jobs]
+        records = answer_jobs(backend, part, max_tokens, seed, batch, progress=None)
+        torch.save({"records": records, "jobs": [part[0][1], part[-1][1] + 1]}, name + ".tmp")
+        os.replace(name + ".tmp", name)
+        progress(f"  shard {k + 1}/{shards}: {sum(len(r['tokens']) for r in records)} answer tokens")
+    return {**settings, "shards": shards}
+
+
+def load_shards(out_dir: str) -> dict:
+    """Every shard in `out_dir` as one dataset (the records of the shards present, in job order)."""
+    with open(os.path.join(out_dir, "settings.json"), encoding="utf-8") as f:
+        settings = json.load(f)
+    names = sorted(n for n in os.listdir(out_dir) if n.startswith("shard-") and n.endswith(".pt"))
+    records = [r for n in names for r in torch.load(os.path.join(out_dir, n))["records"]]
+    return {**settings, "records": records, "shards_present": len(names)}

@@ -24,6 +24,8 @@ import torch.nn.functional as F
 
 from edge_runtime.spec.mtp import HEADS_DIR, MtpHead, base_fingerprint
 
+SMALL_DATA = os.path.join(".cache", "mtp-data.pt")
+
 
 def examples(records: list[dict], depth: int, vocab_index: torch.Tensor):
     """H [N, dim] fp32, tokens [N, depth] (chain inputs), targets [N, depth] (draft-vocab index or -100)."""
@@ -140,19 +142,25 @@ def train(data: dict, backend, depth: int = 4, hidden: int = 1024, draft_vocab: 
 
 def run_train_mtp(args) -> int:
     from edge_runtime.backends.native import NativeBackend
-    from edge_cli.mtp_data import build_dataset
+    from edge_cli.mtp_data import build_dataset, build_shards, load_shards
 
     # room for 8 answers decoding together (prompts are cut to leave max_tokens)
     backend = NativeBackend(model=args.model, threads=args.threads, n_ctx=1024, kv_budget="512MiB")
-    if args.data and os.path.exists(args.data):
-        data = torch.load(args.data)
-        print(f"train-mtp: {len(data['records'])} cached answers from {args.data}")
+    temps = tuple(float(t) for t in args.temperatures.split(","))
+    if args.prompt_set == "large":  # shards in a folder, resumable
+        folder = args.data or os.path.join(".cache", "mtp-large")
+        print(f"train-mtp: the model answers the large prompt set into {folder} (shards already there are kept)")
+        build_shards(backend, folder, args.prompts or None, args.max_tokens, temps, seed=args.seed)
+        data = load_shards(folder)
+    elif os.path.exists(args.data or SMALL_DATA):
+        data = torch.load(args.data or SMALL_DATA)
+        print(f"train-mtp: {len(data['records'])} cached answers from {args.data or SMALL_DATA}")
     else:
-        temps = tuple(float(t) for t in args.temperatures.split(","))
         print(f"train-mtp: the model answers {args.prompts or 'all'} training prompts at temperatures {temps} "
               "(self-distillation)")
-        data = build_dataset(backend, args.data or os.path.join(".cache", "mtp-data.pt"), args.prompts or None,
+        data = build_dataset(backend, args.data or SMALL_DATA, args.prompts or None,
                              args.max_tokens, temps, seed=args.seed)
+    print(f"train-mtp: {sum(len(r['tokens']) for r in data['records'])} answer tokens")
     if args.epochs < 1:
         print("train-mtp: --epochs 0: the answers are cached, no training")
         return 0
@@ -168,11 +176,16 @@ def add_train_mtp_parser(sub) -> None:
     t = sub.add_parser("train-mtp", help="train the MTP draft heads by self-distillation (see docs/speculative.md)")
     t.add_argument("--model", default="default")
     t.add_argument("--threads", type=int, default=None)
-    t.add_argument("--prompts", type=int, default=0, help="training prompts the model answers (0 = all 782)")
+    t.add_argument("--prompt-set", choices=("small", "large"), default="small",
+                   help="small: the 782 prompts of the shipped heads (one file); large: mtp_prompts.json's templates "
+                        "over its topics and its tasks too (about 25,000 prompts; shards in the --data folder, "
+                        "resumable)")
+    t.add_argument("--prompts", type=int, default=0, help="training prompts the model answers (0 = all of the set)")
     t.add_argument("--temperatures", default="0,0.8", help="one answer per prompt at each temperature")
     t.add_argument("--max-tokens", type=int, default=160, help="tokens per answer")
-    t.add_argument("--data", default=os.path.join(".cache", "mtp-data.pt"),
-                   help="cache of the answers and hidden states (reused when it exists)")
+    t.add_argument("--data", default=None,
+                   help="cache of the answers and hidden states, reused when it exists (default: .cache/mtp-data.pt; "
+                        "with --prompt-set large a folder, .cache/mtp-large)")
     t.add_argument("--depth", type=int, default=4, help="drafts the head learns to chain")
     t.add_argument("--hidden", type=int, default=1024, help="the head's MLP width")
     t.add_argument("--draft-vocab", type=int, default=4096, help="tokens the head can draft")

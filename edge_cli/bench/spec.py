@@ -1,7 +1,7 @@
 """`edge-runtime bench spec`: speculative decoding (MTP heads, n-gram prompt lookup) against plain decoding.
 
 Two workloads, greedy, `--spec-tokens` tokens per answer, chat template on:
-- the first turns of the 80 MT-Bench questions (`../shared/data/mt_bench_questions.jsonl`),
+- the first turns of the 80 MT-Bench questions (`edge_runtime/data/mt_bench_questions.jsonl`, vendored),
 - an input-grounded set: edit, summarize or rewrite a given passage (the module docstrings of
   Python's standard library, the same text on every machine with the same Python).
 
@@ -21,10 +21,11 @@ import json
 import os
 import time
 
+from edge_runtime import DATA_DIR
+from edge_runtime.errors import EdgeRuntimeError
 from edge_runtime.request import GenerationRequest, SamplingParams
 
-MT_BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "shared", "data",
-                        "mt_bench_questions.jsonl")
+MT_BENCH = os.path.join(DATA_DIR, "mt_bench_questions.jsonl")  # vendored, Apache-2.0: see its LICENSE.txt
 GROUNDED_MODULES = ["json", "csv", "argparse", "collections", "functools", "itertools", "pathlib", "shutil",
                     "subprocess", "logging", "datetime", "textwrap", "threading", "heapq", "bisect", "random"]
 GROUNDED_TASKS = [
@@ -35,13 +36,14 @@ GROUNDED_TASKS = [
 ]
 
 
-def mt_bench_prompts(n: int) -> list[str]:
-    path = os.path.normpath(MT_BENCH)
-    for cand in (path, os.path.join(os.getcwd(), "..", "shared", "data", "mt_bench_questions.jsonl")):
-        if os.path.exists(cand):
-            with open(cand, encoding="utf-8") as f:
-                return [json.loads(line)["turns"][0] for line in f if line.strip()][:n]
-    raise FileNotFoundError("mt_bench_questions.jsonl not found next to the repository (../shared/data)")
+def mt_bench_prompts(n: int, path: str = MT_BENCH) -> list[str]:
+    """The first turns of the first `n` MT-Bench questions."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return [json.loads(line)["turns"][0] for line in f if line.strip()][:n]
+    except FileNotFoundError:
+        raise EdgeRuntimeError(f"bench spec: the MT-Bench question file {path} is missing (it ships in the package; "
+                               f"reinstall, or restore it from git)") from None
 
 
 def grounded_prompts(n: int) -> list[str]:
@@ -103,13 +105,13 @@ def run_spec_bench(args) -> int:
     from edge_runtime.backends.native import NativeBackend
     from edge_runtime.spec.mtp import find_heads
 
+    questions, grounded = mt_bench_prompts(args.questions), grounded_prompts(args.grounded)  # before any model
     native = NativeBackend(model=args.model, threads=args.threads)
     llama = LlamaCppBackend(model=args.model, threads=args.threads or native_threads())
     has_mtp = find_heads(native) is not None
     n_tok, k = args.spec_tokens, args.draft_k
     mt = {name: Tally() for name in ("plain", "mtp_k", "mtp", "ngram", "llama_plain")}
     gr = {name: Tally() for name in ("plain", "ngram", "mtp", "llama_plain", "llama_ngram")}
-    questions, grounded = mt_bench_prompts(args.questions), grounded_prompts(args.grounded)
     t0 = time.time()
     for i, q in enumerate(questions):
         _run(native, "none", None, q, n_tok, mt["plain"])

@@ -1,0 +1,111 @@
+"""Training the attention draft head (`edge_runtime.spec.attn_head`) and measuring it offline.
+
+The data is `train-mtp`'s: the model's own answers with, per answer token i, the hidden state that chose
+it, the token and the model's argmax (`mtp_data.py`). A chain started at position t is scored against the
+model's argmax one, two, ... positions on; the draft vocabulary is the `draft_vocab` most frequent
+answer tokens, as for `MtpHead`. `chain_accuracy` is the share of chains still right at each depth
+among those whose earlier drafts were right: for greedy decoding with chains of k drafts that is exactly
+what verification accepts, so tokens per verification follow (`expected_accepted`), measured here on
+answers the model gives to questions (MT-Bench's, for the held-out figure) without running the drafter.
+"""
+from __future__ import annotations
+
+import math
+import random
+import time
+
+import torch
+import torch.nn.functional as F
+
+from edge_cli.train_mtp import expected_accepted
+from edge_runtime.spec.attn_head import AttnDraftHead
+
+
+def draft_vocab(records: list[dict], vocab_size: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the `size` most frequent answer tokens, index [vocab_size]: token -> its draft index or -100)."""
+    counts = torch.zeros(vocab_size)
+    for r in records:
+        counts += torch.bincount(torch.cat([r["tokens"], r["greedy"]]), minlength=vocab_size).float()
+    vocab = torch.argsort(counts, descending=True, stable=True)[:size]
+    index = torch.full((vocab_size,), -100, dtype=torch.long)
+    index[vocab] = torch.arange(len(vocab))
+    return vocab, index
+
+
+def batch_of(records: list[dict], emb_table: torch.Tensor, index: torch.Tensor, steps: int):
+    """Padded tensors: h [B, T, dim], emb [B, T + steps - 1, dim], valid [B, T], targets [B, T, steps]."""
+    T = max(len(r["tokens"]) for r in records)
+    B, dim = len(records), emb_table.shape[1]
+    h = torch.zeros(B, T, dim)
+    emb = torch.zeros(B, T + steps - 1, dim)
+    valid = torch.zeros(B, T, dtype=torch.bool)
+    targets = torch.full((B, T, steps), -100, dtype=torch.long)
+    for b, r in enumerate(records):
+        n = len(r["tokens"])
+        h[b, :n] = r["hidden"].float()
+        emb[b, :n] = emb_table[r["tokens"]]
+        valid[b, :n] = True
+        greedy = index[r["greedy"]]
+        for s in range(steps):  # start t, step s: the argmax at answer position t + s + 1
+            if n > s + 1:
+                targets[b, :n - s - 1, s] = greedy[s + 1:]
+    return h, emb, valid, targets
+
+
+def chain_accuracy(head: AttnDraftHead, records: list[dict], emb_table, head_rows, index, steps: int,
+                   batch: int = 32) -> list[float]:
+    right, seen = torch.zeros(steps), torch.zeros(steps)
+    with torch.no_grad():
+        for s in range(0, len(records), batch):
+            h, emb, valid, tgt = batch_of(records[s:s + batch], emb_table, index, steps)
+            preds = torch.stack([(o @ head_rows.T).argmax(-1) for o in head.chain(h, emb, valid, steps)], dim=-1)
+            alive = valid.clone()
+            for j in range(steps):
+                alive &= tgt[..., j] >= 0
+                seen[j] += alive.sum()
+                alive &= preds[..., j] == tgt[..., j]
+                right[j] += alive.sum()
+    return [float(right[j] / seen[j]) if seen[j] else 0.0 for j in range(steps)]
+
+
+def train_attention(records: list[dict], backend, steps: int = 4, hidden: int = 1536, size: int = 4096,
+                    epochs: int = 4, batch: int = 32, lr: float = 1e-3, seed: int = 0, held_out=None,
+                    progress=print) -> tuple[AttnDraftHead, dict]:
+    """Trains on `records` (a 20th held out, seeded); `held_out`: more records to score each epoch on."""
+    torch.manual_seed(seed)
+    records = list(records)
+    random.Random(seed).shuffle(records)
+    held, train_recs = records[:max(1, len(records) // 20)], records[max(1, len(records) // 20):]
+    cfg = backend.model.cfg
+    vocab, index = draft_vocab(train_recs, cfg.vocab_size, size)
+    with torch.inference_mode():
+        emb_table = backend.model.embedding(torch.arange(cfg.vocab_size)).float().reshape(cfg.vocab_size, -1).clone()
+    head_rows = emb_table[vocab].contiguous()
+    head = AttnDraftHead(cfg.dim, cfg.num_heads, cfg.head_dim, hidden, vocab, cfg.norm_eps, 10000.0, steps)
+    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.01)
+    total_steps = epochs * math.ceil(len(train_recs) / batch)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda i: min(1.0, (i + 1) / 50) * 0.5 * (1 + math.cos(math.pi * i / total_steps)))
+    weights = [0.8 ** s for s in range(steps)]
+    t0, report = time.time(), {"epochs": []}
+    for epoch in range(epochs):
+        order = torch.randperm(len(train_recs)).tolist()
+        for s in range(0, len(order), batch):
+            h, emb, valid, tgt = batch_of([train_recs[i] for i in order[s:s + batch]], emb_table, index, steps)
+            outs = head.chain(h, emb, valid, steps)
+            loss = sum(w * F.cross_entropy((o @ head_rows.T).flatten(0, 1), tgt[..., j].flatten(), ignore_index=-100)
+                       for j, (w, o) in enumerate(zip(weights, outs)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+        acc = chain_accuracy(head, held, emb_table, head_rows, index, steps)
+        extra = chain_accuracy(head, held_out, emb_table, head_rows, index, steps) if held_out else None
+        report["epochs"].append({"epoch": epoch + 1, "held_out": acc, "extra": extra, "s": round(time.time() - t0)})
+        progress(f"  epoch {epoch + 1}/{epochs}: held-out chain accuracy {[round(a, 3) for a in acc]} "
+                 f"(k=3: {expected_accepted(acc, 3):.3f} tokens per verification)"
+                 + (f"; other set {[round(a, 3) for a in extra]} (k=3: {expected_accepted(extra, 3):.3f})"
+                    if extra else "") + f" ({time.time() - t0:.0f} s)")
+    report.update({"positions": sum(len(r["tokens"]) for r in train_recs), "draft_vocab": len(vocab),
+                   "steps": steps, "hidden": hidden, "batch": batch, "lr": lr, "seed": seed})
+    return head.eval(), report

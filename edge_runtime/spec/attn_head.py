@@ -1,0 +1,102 @@
+"""An EAGLE-style draft head: one small decoder layer over the base model's own features.
+
+Where `MtpHead` sees only the last hidden state, this head attends over the answer so far: position t
+gets the base model's final-normed hidden state h_t (the state whose logits chose token t) and the
+embedding of token t, fused, then one pre-norm decoder layer (causal self-attention with RoPE over the
+positions of the answer, then a SwiGLU block), and reads out the token at t + 1 through the model's
+tied output head restricted to the draft vocabulary (as `MtpHead`).
+
+    z = W_in [rms(h_t) * g_h ; rms(emb(x_t)) * g_e]
+    z += W_o attn(rms(z) * g_a)          keys and values: the earlier positions' (their own layer's)
+    z += W_down silu(W_gate rms(z) * g_m) * W_up(...)
+    h' = rms(z) * g_o                    logits = h' @ emb(vocab).T
+
+Chained, the draft at step s >= 1 takes h' of step s - 1 in place of a real feature and the drafted token,
+at position t + s; it attends over the real positions <= t and over its own chain's earlier steps. Training
+does exactly that for every t at once ("training-time test", EAGLE-3): `chain` computes step s for all
+positions with the real keys under a causal mask and the chain's keys on the diagonal, so deep drafts are
+trained on the head's own predicted features, as they are used.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from edge_runtime.spec.mtp import _rms
+
+
+def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """x [..., T, d] rotated by positions pos [T] (pairs split in halves, as the base model)."""
+    d = x.shape[-1]
+    freqs = theta ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
+    ang = pos.float()[:, None] * freqs[None, :]
+    cos, sin = torch.cos(ang), torch.sin(ang)
+    a, b = x[..., : d // 2], x[..., d // 2:]
+    return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
+
+
+class AttnDraftHead(nn.Module):
+    def __init__(self, dim: int, heads: int, head_dim: int, hidden: int, vocab: torch.Tensor, eps: float = 1e-5,
+                 theta: float = 10000.0, depth: int = 4):
+        super().__init__()
+        self.dim, self.heads, self.head_dim, self.hidden = dim, heads, head_dim, hidden
+        self.eps, self.theta, self.depth = eps, theta, depth
+        self.g_h, self.g_e, self.g_a = (nn.Parameter(torch.ones(dim)) for _ in range(3))
+        self.g_m, self.g_o = nn.Parameter(torch.ones(dim)), nn.Parameter(torch.ones(dim))
+        self.w_in = nn.Linear(2 * dim, dim, bias=False)
+        self.w_qkv = nn.Linear(dim, 3 * heads * head_dim, bias=False)
+        self.w_o = nn.Linear(heads * head_dim, dim, bias=False)
+        self.w_gate_up = nn.Linear(dim, 2 * hidden, bias=False)
+        self.w_down = nn.Linear(hidden, dim, bias=False)
+        self.register_buffer("vocab", vocab.long())
+        for w in (self.w_in, self.w_qkv, self.w_gate_up):
+            nn.init.normal_(w.weight, std=0.02)
+        nn.init.zeros_(self.w_o.weight)  # starts as MtpHead's pure fusion of the inputs
+        nn.init.zeros_(self.w_down.weight)
+
+    def _fuse(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        return self.w_in(torch.cat([_rms(h, self.eps) * self.g_h, _rms(e, self.eps) * self.g_e], dim=-1))
+
+    def _qkv(self, z: torch.Tensor, pos: torch.Tensor):
+        """z [B, T, dim] -> q, k, v [B, heads, T, head_dim], q and k rotated to `pos` [T]."""
+        B, T, _ = z.shape
+        q, k, v = self.w_qkv(_rms(z, self.eps) * self.g_a).view(B, T, 3, self.heads, self.head_dim).unbind(2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        return rope(q, pos, self.theta), rope(k, pos, self.theta), v
+
+    def _out(self, z: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        B, _, T, _ = attn.shape
+        z = z + self.w_o(attn.transpose(1, 2).reshape(B, T, self.heads * self.head_dim))
+        gate, up = self.w_gate_up(_rms(z, self.eps) * self.g_m).chunk(2, dim=-1)
+        z = z + self.w_down(F.silu(gate) * up)
+        return _rms(z, self.eps) * self.g_o
+
+    def chain(self, h: torch.Tensor, emb: torch.Tensor, valid: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """The chain's output states for every start position at once.
+
+        h [B, T, dim]: the real features; emb [B, T + steps - 1, dim]: the embeddings of the answer's tokens
+        (teacher-forced chain inputs; zeros past the end); valid [B, T]: real positions. Returns `steps`
+        tensors [B, T, dim]: step s at start t is the draft state for the token at t + s + 1.
+        """
+        T = h.shape[1]
+        pos = torch.arange(T)
+        z = self._fuse(h, emb[:, :T])
+        q, k0, v0 = self._qkv(z, pos)
+        scale = 1.0 / math.sqrt(self.head_dim)
+        mask = torch.ones(T, T, dtype=torch.bool).tril()[None, None] & valid[:, None, None, :]
+        real = lambda q: (q @ k0.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))  # noqa: E731
+        out = [self._out(z, torch.softmax(real(q), dim=-1) @ v0)]
+        ks, vs = [], []
+        for s in range(1, steps):
+            z = self._fuse(out[-1], emb[:, s:s + T])
+            q, k, v = self._qkv(z, pos + s)
+            ks.append(k)
+            vs.append(v)
+            diag = torch.stack([(q * kd).sum(-1) * scale for kd in ks], dim=-1)  # [B, heads, T, s]
+            p = torch.softmax(torch.cat([real(q), diag], dim=-1), dim=-1)
+            attn = p[..., :T] @ v0 + (p[..., T:, None] * torch.stack(vs, dim=-2)).sum(-2)
+            out.append(self._out(z, attn))
+        return out

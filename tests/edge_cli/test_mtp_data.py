@@ -1,0 +1,55 @@
+"""The MTP heads' training data: the large prompt set, and its shards made, resumed and refused."""
+import os
+
+import pytest
+import torch
+
+from edge_cli.bench.spec import mt_bench_prompts
+from edge_cli.mtp_data import build_shards, large_prompts, load_shards, training_prompts
+from edge_runtime.errors import EdgeRuntimeError
+
+
+def test_the_large_set_extends_the_small_one_and_holds_no_mt_bench_question():
+    small, large = training_prompts(0), large_prompts(0)
+    assert [m[-1]["content"] for m in large[:len(small)]] == small  # the shipped heads' prompts, first, unchanged
+    assert len(large) > 20 * len(small) and large == large_prompts(0) and large != large_prompts(1)
+    systems = [m[0]["content"] for m in large[len(small):] if m[0]["role"] == "system"]
+    assert 0.2 < len(systems) / (len(large) - len(small)) < 0.3  # a quarter open with a persona
+    assert all("{" not in m[-1]["content"] for m in large[len(small):])  # every template was filled
+    bench = {" ".join(q.lower().split()) for q in mt_bench_prompts(80)}
+    assert len(bench) == 80 and not bench & {" ".join(m[-1]["content"].lower().split()) for m in large}
+
+
+def test_shards_resume_where_they_stopped_and_refuse_other_settings(tmp_path, native_backend):
+    folder = str(tmp_path / "shards")
+    made = build_shards(native_backend, folder, num_prompts=3, max_tokens=6, shard_jobs=2, progress=lambda m: None)
+    names = sorted(n for n in os.listdir(folder) if n.startswith("shard-"))
+    assert made["shards"] == 3 and names == ["shard-00000.pt", "shard-00001.pt", "shard-00002.pt"]
+    first = load_shards(folder)
+    assert len(first["records"]) == 6 and first["shards_present"] == 3  # 3 prompts, greedy and sampled
+    for r in first["records"]:
+        assert r["hidden"].shape == (len(r["tokens"]), 576) and 0 < len(r["tokens"]) <= 6
+    for r in first["records"][:3]:  # the greedy answers come first: each token is the step's argmax
+        assert torch.equal(r["tokens"], r["greedy"])
+    os.remove(os.path.join(folder, "shard-00001.pt"))  # as if stopped before it was written
+    before = os.path.getmtime(os.path.join(folder, "shard-00000.pt"))
+    build_shards(native_backend, folder, num_prompts=3, max_tokens=6, shard_jobs=2, progress=lambda m: None)
+    again = load_shards(folder)
+    assert os.path.getmtime(os.path.join(folder, "shard-00000.pt")) == before  # kept, not remade
+    for a, b in zip(first["records"], again["records"]):  # the remade shard is the same, sampled answers too
+        assert torch.equal(a["tokens"], b["tokens"]) and torch.equal(a["hidden"], b["hidden"])
+    with pytest.raises(EdgeRuntimeError, match="other settings"):
+        build_shards(native_backend, folder, num_prompts=3, max_tokens=7, shard_jobs=2, progress=lambda m: None)
+
+
+def test_the_vendored_mt_bench_file_is_read_and_a_missing_one_is_a_one_line_error(tmp_path, monkeypatch, capsys):
+    from edge_cli.bench import spec
+    from edge_cli.main import main
+
+    questions = mt_bench_prompts(80)
+    assert len(questions) == 80 and questions[0].startswith("Compose an engaging travel blog post")
+    monkeypatch.setattr(spec, "MT_BENCH", str(tmp_path / "gone.jsonl"))
+    monkeypatch.setattr(spec.mt_bench_prompts, "__defaults__", (str(tmp_path / "gone.jsonl"),))
+    assert main(["bench", "spec", "--questions", "2", "--grounded", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "gone.jsonl is missing" in err and "Traceback" not in err
