@@ -182,6 +182,12 @@ def build_dataset(backend, out_path: str, num_prompts: int | None = None, max_to
     return data
 
 
+def first_prompts(data: dict, n: int) -> dict:
+    """`data` cut to the answers to its first `n` prompts (its records run temperature by temperature)."""
+    P, T = data["prompts"], len(data["temperatures"])
+    return {**data, "prompts": n, "records": [data["records"][t * P + i] for t in range(T) for i in range(n)]}
+
+
 def build_shards(backend, out_dir: str, num_prompts: int | None = None, max_tokens: int = 160,
                  temperatures: tuple = (0.0, 0.8), seed: int = 0, shard_jobs: int = 256, batch: int = 8,
                  progress=print) -> dict:

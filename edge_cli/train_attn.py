@@ -109,3 +109,58 @@ def train_attention(records: list[dict], backend, steps: int = 4, hidden: int = 
     report.update({"positions": sum(len(r["tokens"]) for r in train_recs), "draft_vocab": len(vocab),
                    "steps": steps, "hidden": hidden, "batch": batch, "lr": lr, "seed": seed})
     return head.eval(), report
+
+
+def mt_bench_records(backend, n: int = 80, max_tokens: int = 128, path: str | None = None) -> list[dict]:
+    """The model's greedy answers to the first turns of MT-Bench, with their hidden states (cached at `path`)."""
+    import os
+
+    from edge_cli.bench.spec import mt_bench_prompts
+    from edge_cli.mtp_data import answer_jobs
+
+    if path and os.path.exists(path):
+        return torch.load(path)
+    jobs = [(0.0, i, [{"role": "user", "content": q}]) for i, q in enumerate(mt_bench_prompts(n))]
+    records = answer_jobs(backend, jobs, max_tokens, seed=0, progress=None)
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        torch.save(records, path)
+    return records
+
+
+def mlp_chain_accuracy(head, records: list[dict], backend) -> list[float]:
+    """The shipped `MtpHead`'s chain accuracy on `records`, measured the same way."""
+    from edge_cli.train_mtp import accuracy, examples
+
+    cfg = backend.model.cfg
+    index = torch.full((cfg.vocab_size,), -100, dtype=torch.long)
+    index[head.vocab] = torch.arange(len(head.vocab))
+    with torch.inference_mode():
+        emb_table = backend.model.embedding(torch.arange(cfg.vocab_size)).float().reshape(cfg.vocab_size, -1).clone()
+    h, toks, tgts = examples(records, head.depth, index)
+    return accuracy(head, emb_table, emb_table[head.vocab].contiguous(), h, toks, tgts)
+
+
+def compare_heads(data: dict, backend, args) -> dict:
+    """`train-mtp --arch attention`: trains the attention head on `data` and measures it and the shipped MLP
+    heads offline on MT-Bench's first turns (greedy, 128 tokens): chain accuracy per depth and tokens per
+    verification at k = 3. No drafter loads the attention head yet, so it is measured, not written."""
+    from edge_cli.bench.decode import machine
+    from edge_runtime.spec.mtp import MtpHead, find_heads
+
+    bench = mt_bench_records(backend, n=args.mt_bench, path=args.mt_bench_cache)
+    shipped = find_heads(backend)
+    mlp = mlp_chain_accuracy(MtpHead.load(shipped)[0], bench, backend) if shipped else None
+    if mlp:
+        print(f"train-mtp: shipped MLP heads on MT-Bench: {[round(a, 3) for a in mlp]} "
+              f"(k=3: {expected_accepted(mlp, 3):.3f} tokens per verification)")
+    head, report = train_attention(data["records"], backend, steps=args.depth, hidden=args.hidden,
+                                   size=args.draft_vocab, epochs=args.epochs, seed=args.seed, held_out=bench)
+    last = report["epochs"][-1]
+    return {"benchmark": "mtp-heads-offline", "mt_bench_answers": len(bench),
+            "mt_bench_answer_tokens": sum(len(r["tokens"]) for r in bench),
+            "train_answer_tokens": sum(len(r["tokens"]) for r in data["records"]),
+            "mlp_shipped": {"chain_accuracy": mlp, "expected_accepted_k3": expected_accepted(mlp, 3) if mlp else None},
+            "attention": {"chain_accuracy": last["extra"], "expected_accepted_k3": expected_accepted(last["extra"], 3),
+                          "held_out_in_domain": last["held_out"], **report},
+            "machine": machine()}

@@ -22,6 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from edge_runtime.errors import EdgeRuntimeError
 from edge_runtime.spec.mtp import HEADS_DIR, MtpHead, base_fingerprint
 
 SMALL_DATA = os.path.join(".cache", "mtp-data.pt")
@@ -142,7 +143,13 @@ def train(data: dict, backend, depth: int = 4, hidden: int = 1024, draft_vocab: 
 
 def run_train_mtp(args) -> int:
     from edge_runtime.backends.native import NativeBackend
-    from edge_cli.mtp_data import build_dataset, build_shards, load_shards
+    from edge_cli.mtp_data import build_dataset, build_shards, first_prompts, load_shards
+
+    if args.arch == "attention" and args.out:
+        raise EdgeRuntimeError("train-mtp: --out does not apply to --arch attention (no drafter loads that head yet; "
+                               "its figures go to --json)")
+    if args.arch == "mlp" and (args.json or args.mt_bench != 80):
+        raise EdgeRuntimeError("train-mtp: --json and --mt-bench apply to --arch attention only")
 
     # room for 8 answers decoding together (prompts are cut to leave max_tokens)
     backend = NativeBackend(model=args.model, threads=args.threads, n_ctx=1024, kv_budget="512MiB")
@@ -155,6 +162,9 @@ def run_train_mtp(args) -> int:
     elif os.path.exists(args.data or SMALL_DATA):
         data = torch.load(args.data or SMALL_DATA)
         print(f"train-mtp: {len(data['records'])} cached answers from {args.data or SMALL_DATA}")
+        if args.prompts and args.prompts < data["prompts"]:
+            data = first_prompts(data, args.prompts)
+            print(f"train-mtp: of those, the {len(data['records'])} answers to the first {args.prompts} prompts")
     else:
         print(f"train-mtp: the model answers {args.prompts or 'all'} training prompts at temperatures {temps} "
               "(self-distillation)")
@@ -163,6 +173,12 @@ def run_train_mtp(args) -> int:
     print(f"train-mtp: {sum(len(r['tokens']) for r in data['records'])} answer tokens")
     if args.epochs < 1:
         print("train-mtp: --epochs 0: the answers are cached, no training")
+        return 0
+    if args.arch == "attention":
+        from edge_cli.bench.decode import print_and_save
+        from edge_cli.train_attn import compare_heads
+
+        print_and_save(compare_heads(data, backend, args), args.json)
         return 0
     head, report = train(data, backend, depth=args.depth, hidden=args.hidden, draft_vocab=args.draft_vocab,
                          epochs=args.epochs, seed=args.seed)
@@ -191,5 +207,12 @@ def add_train_mtp_parser(sub) -> None:
     t.add_argument("--draft-vocab", type=int, default=4096, help="tokens the head can draft")
     t.add_argument("--epochs", type=int, default=4)
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--arch", choices=("mlp", "attention"), default="mlp",
+                   help="attention: train the EAGLE-style head and measure it and the shipped heads on MT-Bench "
+                        "offline (chain accuracy; written to --json, no head file yet)")
+    t.add_argument("--json", default=None, help="with --arch attention: where the figures go")
+    t.add_argument("--mt-bench", type=int, default=80, help="with --arch attention: MT-Bench questions to measure on")
+    t.add_argument("--mt-bench-cache", default=os.path.join(".cache", "mtp-mt-bench.pt"),
+                   help="with --arch attention: cache of the model's MT-Bench answers")
     t.add_argument("--out", default=None, help="output file (default: edge_runtime/data/mtp/<model>.safetensors)")
     t.set_defaults(func=lambda a: run_train_mtp(a))

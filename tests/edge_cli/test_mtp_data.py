@@ -53,3 +53,11 @@ def test_the_vendored_mt_bench_file_is_read_and_a_missing_one_is_a_one_line_erro
     assert main(["bench", "spec", "--questions", "2", "--grounded", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "gone.jsonl is missing" in err and "Traceback" not in err
+
+
+def test_a_dataset_cut_to_its_first_prompts_keeps_each_temperatures_answers_to_them():
+    from edge_cli.mtp_data import first_prompts
+
+    data = {"prompts": 3, "temperatures": [0.0, 0.8], "records": [f"t{t}p{p}" for t in (0, 1) for p in range(3)]}
+    assert first_prompts(data, 2)["records"] == ["t0p0", "t0p1", "t1p0", "t1p1"]
+    assert first_prompts(data, 2)["prompts"] == 2 and first_prompts(data, 3)["records"] == data["records"]

@@ -61,3 +61,23 @@ def test_targets_line_up_and_training_learns_a_copy_rule():
         opt.step()
     after = chain_accuracy(head, recs, emb_table, rows, index, 3)
     assert before[0] < 0.2 and after[0] > 0.9 and after[1] > 0.8, (before, after)
+
+
+def test_train_mtp_arch_attention_measures_both_heads_on_mt_bench(tmp_path, native_backend):
+    import json
+
+    from edge_cli.main import main
+
+    out, cache = tmp_path / "figures.json", tmp_path / "mt.pt"
+    assert main(["train-mtp", "--arch", "attention", "--out", "x"]) == 2  # no head file to write: refused
+    assert main(["train-mtp", "--json", str(out)]) == 2  # a figure file for the MLP heads: refused
+    rc = main(["train-mtp", "--arch", "attention", "--prompts", "4", "--max-tokens", "12", "--epochs", "1",
+               "--hidden", "64", "--draft-vocab", "256", "--data", str(tmp_path / "answers.pt"), "--json", str(out),
+               "--mt-bench", "2", "--mt-bench-cache", str(cache)])
+    d = json.loads(out.read_text())
+    assert rc == 0 and cache.exists() and d["mt_bench_answers"] == 2 and d["train_answer_tokens"] > 0
+    for kind in ("mlp_shipped", "attention"):
+        acc = d[kind]["chain_accuracy"]
+        assert len(acc) == 4 and all(0 <= a <= 1 for a in acc)
+        assert abs(d[kind]["expected_accepted_k3"] - (1 + acc[0] + acc[0] * acc[1] + acc[0] * acc[1] * acc[2])) < 1e-9
+    assert d["machine"]["cpu_model"]
