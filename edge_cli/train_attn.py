@@ -69,7 +69,7 @@ def chain_accuracy(head: AttnDraftHead, records: list[dict], emb_table, head_row
 
 
 def train_attention(records: list[dict], backend, steps: int = 4, hidden: int = 1536, size: int = 4096,
-                    epochs: int = 4, batch: int = 32, lr: float = 1e-3, seed: int = 0, held_out=None,
+                    epochs: int = 4, batch: int = 8, lr: float = 2e-3, seed: int = 0, held_out=None,
                     progress=print) -> tuple[AttnDraftHead, dict]:
     """Trains on `records` (a 20th held out, seeded); `held_out`: more records to score each epoch on."""
     torch.manual_seed(seed)
@@ -146,6 +146,7 @@ def compare_heads(data: dict, backend, args) -> dict:
     heads offline on MT-Bench's first turns (greedy, 128 tokens): chain accuracy per depth and tokens per
     verification at k = 3. No drafter loads the attention head yet, so it is measured, not written."""
     from edge_cli.bench.decode import machine
+    from edge_cli.mtp_data import first_prompts
     from edge_runtime.spec.mtp import MtpHead, find_heads
 
     bench = mt_bench_records(backend, n=args.mt_bench, path=args.mt_bench_cache)
@@ -154,10 +155,16 @@ def compare_heads(data: dict, backend, args) -> dict:
     if mlp:
         print(f"train-mtp: shipped MLP heads on MT-Bench: {[round(a, 3) for a in mlp]} "
               f"(k=3: {expected_accepted(mlp, 3):.3f} tokens per verification)")
-    head, report = train_attention(data["records"], backend, steps=args.depth, hidden=args.hidden,
-                                   size=args.draft_vocab, epochs=args.epochs, seed=args.seed, held_out=bench)
-    last = report["epochs"][-1]
-    return {"benchmark": "mtp-heads-offline", "mt_bench_answers": len(bench),
+    curve = []
+    for n in sorted(args.curve or []) + [None]:  # smaller datasets first, the whole one last
+        part = data if n is None else first_prompts(data, n)
+        head, report = train_attention(part["records"], backend, steps=args.depth, hidden=args.hidden,
+                                       size=args.draft_vocab, epochs=args.epochs, seed=args.seed, held_out=bench)
+        last = report["epochs"][-1]
+        curve.append({"prompts": part.get("prompts"), "train_answer_tokens": sum(len(r["tokens"]) for r in part["records"]),
+                      "chain_accuracy": last["extra"], "expected_accepted_k3": expected_accepted(last["extra"], 3)})
+    return {"benchmark": "mtp-heads-offline", "mt_bench_answers": len(bench), "curve": curve,
+            "targets": {"mean_accepted_k3": 2.5},
             "mt_bench_answer_tokens": sum(len(r["tokens"]) for r in bench),
             "train_answer_tokens": sum(len(r["tokens"]) for r in data["records"]),
             "mlp_shipped": {"chain_accuracy": mlp, "expected_accepted_k3": expected_accepted(mlp, 3) if mlp else None},

@@ -148,8 +148,8 @@ def run_train_mtp(args) -> int:
     if args.arch == "attention" and args.out:
         raise EdgeRuntimeError("train-mtp: --out does not apply to --arch attention (no drafter loads that head yet; "
                                "its figures go to --json)")
-    if args.arch == "mlp" and (args.json or args.mt_bench != 80):
-        raise EdgeRuntimeError("train-mtp: --json and --mt-bench apply to --arch attention only")
+    if args.arch == "mlp" and (args.json or args.mt_bench != 80 or args.curve):
+        raise EdgeRuntimeError("train-mtp: --json, --mt-bench and --curve apply to --arch attention only")
 
     # room for 8 answers decoding together (prompts are cut to leave max_tokens)
     backend = NativeBackend(model=args.model, threads=args.threads, n_ctx=1024, kv_budget="512MiB")
@@ -212,6 +212,9 @@ def add_train_mtp_parser(sub) -> None:
                         "offline (chain accuracy; written to --json, no head file yet)")
     t.add_argument("--json", default=None, help="with --arch attention: where the figures go")
     t.add_argument("--mt-bench", type=int, default=80, help="with --arch attention: MT-Bench questions to measure on")
+    t.add_argument("--curve", type=lambda v: [int(x) for x in v.split(",")], default=None,
+                   help="with --arch attention: also train on the answers to the first N1,N2,... prompts (the curve "
+                        "of tokens per verification against training tokens)")
     t.add_argument("--mt-bench-cache", default=os.path.join(".cache", "mtp-mt-bench.pt"),
                    help="with --arch attention: cache of the model's MT-Bench answers")
     t.add_argument("--out", default=None, help="output file (default: edge_runtime/data/mtp/<model>.safetensors)")

@@ -15,7 +15,8 @@ from edge_cli.bench.figures_engine import SPEC_KEYS
 
 BUILDERS = {**figures_engine.BUILDERS, **figures_serving.BUILDERS}
 # The order of the page: the README's Benchmarks section.
-KINDS = ["decode", "perplexity", "kv", "attention", "batching", "batching-draft", "hybrid", "cache", "serve", "spec"]
+KINDS = ["decode", "perplexity", "kv", "attention", "batching", "batching-draft", "hybrid", "cache", "serve", "spec",
+         "mtp-heads"]
 POOLED = {"perplexity"}  # kinds whose files make one section between them
 assert set(KINDS) == set(BUILDERS)
 
@@ -42,6 +43,8 @@ def recognise(d) -> str | None:
         return "serve"
     if _isnum(d.get("cold_ttft_ms_p50")) and _isnum(d.get("exact_hit_ttft_ms_p50")):
         return "cache"
+    if isinstance(d.get("mlp_shipped"), dict) and isinstance(d.get("attention"), dict):
+        return "mtp-heads"
     if _isnum(d.get("ppl")) and isinstance(d.get("backend"), str):
         return "perplexity"
     return None

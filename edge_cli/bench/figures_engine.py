@@ -238,4 +238,37 @@ def _perplexity(files: dict):
     return "perplexity: fidelity against llama.cpp", cap, rows, fig
 
 
-BUILDERS = {"decode": _decode, "perplexity": _perplexity, "kv": _kv, "attention": _attention, "spec": _spec}
+def _mtp_heads(d):
+    """`train-mtp --arch attention --json`: draft heads measured offline on the model's MT-Bench answers."""
+    mlp, att = d["mlp_shipped"], d["attention"]
+    target = _target(d, "mean_accepted_k3")
+    fig, axs = _fig(2, f"draft heads offline on {d.get('mt_bench_answers', '?')} MT-Bench answers "
+                       f"({_num(d.get('mt_bench_answer_tokens'))} tokens)", [1, 2])
+    _bars(axs[0], ["MLP heads\n(shipped)", "attention\nhead"], [mlp.get("expected_accepted_k3"),
+          att.get("expected_accepted_k3")], "tokens per verification, k = 3", "tokens", [PEER, OURS])
+    _hline(axs[0], target, f"target >= {_num(target)}")
+    curve = sorted(d.get("curve") or [], key=lambda c: c["train_answer_tokens"])
+    if curve:
+        axs[1].plot([c["train_answer_tokens"] for c in curve], [c["expected_accepted_k3"] for c in curve], "o-",
+                    color=OURS, label="attention head")
+    axs[1].set_title("attention head: tokens per verification (k = 3) by training tokens", fontsize=10)
+    axs[1].set_xlabel("answer tokens trained on")
+    axs[1].grid(alpha=0.3)
+    _hline(axs[1], mlp.get("expected_accepted_k3"), "MLP heads (shipped)", ls=":")
+    rows = [_row("MLP heads (shipped): tokens per verification, k = 3", _num(mlp.get("expected_accepted_k3")), "",
+                 None, "", target, ">=", mlp.get("expected_accepted_k3")),
+            _row("attention head: tokens per verification, k = 3", _num(att.get("expected_accepted_k3")),
+                 f"MLP heads {_num(mlp.get('expected_accepted_k3'))}",
+                 _div(att.get("expected_accepted_k3"), mlp.get("expected_accepted_k3")), "attention / MLP", target,
+                 ">=", att.get("expected_accepted_k3"))]
+    rows += [_row(f"chain accuracy by depth, {name}", ", ".join(_pct(a) for a in h.get("chain_accuracy") or []))
+             for name, h in (("MLP heads", mlp), ("attention head", att))]
+    rows += [_row(f"attention head trained on {_num(c['train_answer_tokens'])} answer tokens, k = 3",
+                  _num(c["expected_accepted_k3"])) for c in curve]
+    return ("train-mtp: draft heads offline", "Chain accuracy per depth on the model's own greedy answers (a chain "
+            "is right at depth j when its first j drafts equal the model's argmax): what greedy verification "
+            "accepts, so tokens per verification follow without running a drafter.", rows, fig)
+
+
+BUILDERS = {"decode": _decode, "perplexity": _perplexity, "kv": _kv, "attention": _attention, "spec": _spec,
+            "mtp-heads": _mtp_heads}

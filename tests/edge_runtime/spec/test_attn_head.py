@@ -73,11 +73,13 @@ def test_train_mtp_arch_attention_measures_both_heads_on_mt_bench(tmp_path, nati
     assert main(["train-mtp", "--json", str(out)]) == 2  # a figure file for the MLP heads: refused
     rc = main(["train-mtp", "--arch", "attention", "--prompts", "4", "--max-tokens", "12", "--epochs", "1",
                "--hidden", "64", "--draft-vocab", "256", "--data", str(tmp_path / "answers.pt"), "--json", str(out),
-               "--mt-bench", "2", "--mt-bench-cache", str(cache)])
+               "--mt-bench", "2", "--mt-bench-cache", str(cache), "--curve", "2"])
     d = json.loads(out.read_text())
     assert rc == 0 and cache.exists() and d["mt_bench_answers"] == 2 and d["train_answer_tokens"] > 0
-    for kind in ("mlp_shipped", "attention"):
-        acc = d[kind]["chain_accuracy"]
+    assert [c["prompts"] for c in d["curve"]] == [2, 4] and d["curve"][-1]["chain_accuracy"] == \
+        d["attention"]["chain_accuracy"] and d["curve"][0]["train_answer_tokens"] < d["train_answer_tokens"]
+    for h in (d["mlp_shipped"], d["attention"], *d["curve"]):
+        acc = h["chain_accuracy"]
         assert len(acc) == 4 and all(0 <= a <= 1 for a in acc)
-        assert abs(d[kind]["expected_accepted_k3"] - (1 + acc[0] + acc[0] * acc[1] + acc[0] * acc[1] * acc[2])) < 1e-9
+        assert abs(h["expected_accepted_k3"] - (1 + acc[0] + acc[0] * acc[1] + acc[0] * acc[1] * acc[2])) < 1e-9
     assert d["machine"]["cpu_model"]
