@@ -149,6 +149,7 @@ def compare_heads(data: dict, backend, args) -> dict:
     from edge_cli.mtp_data import first_prompts
     from edge_runtime.spec.mtp import MtpHead, find_heads
 
+    where = machine()  # the commit that runs, before anything is written
     bench = mt_bench_records(backend, n=args.mt_bench, path=args.mt_bench_cache)
     shipped = find_heads(backend)
     mlp = mlp_chain_accuracy(MtpHead.load(shipped)[0], bench, backend) if shipped else None
@@ -170,4 +171,4 @@ def compare_heads(data: dict, backend, args) -> dict:
             "mlp_shipped": {"chain_accuracy": mlp, "expected_accepted_k3": expected_accepted(mlp, 3) if mlp else None},
             "attention": {"chain_accuracy": last["extra"], "expected_accepted_k3": expected_accepted(last["extra"], 3),
                           "held_out_in_domain": last["held_out"], **report},
-            "machine": machine()}
+            "machine": where}

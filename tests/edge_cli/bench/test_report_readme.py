@@ -110,7 +110,8 @@ def test_every_bold_readme_figure_is_on_the_page(committed):
                                        ("batching-draft-run1.json", "batching-draft"),
                                        ("perplexity-native-int8.json", "perplexity"),
                                        ("perplexity-native-exact.json", "perplexity"),
-                                       ("perplexity-llama-cpp.json", "perplexity")])
+                                       ("perplexity-llama-cpp.json", "perplexity"),
+                                       ("mtp-heads.json", "mtp-heads")])
 def test_new_kinds_are_recognised_and_drawn(committed, name, kind):
     page, sections, problems = committed
     assert recognise(_json(name)) == kind
@@ -155,3 +156,21 @@ def test_page_opens_with_every_target_and_names_each_run(committed):
     assert "threads not recorded" in page  # batching-draft.json's worker threads are null
     assert "CPU not recorded" in page  # the perplexity files predate the machine keys
     assert not re.search(r"""(src|href)=['"]?(https?:)?//""", page) and "<script" not in page
+
+
+def test_the_draft_heads_figures_follow_from_their_chain_accuracy(committed):
+    """bench-results/mtp-heads.json (`train-mtp --arch attention --curve ...`): every tokens-per-verification
+    figure is recomputed from its chain accuracy, the curve ends at the whole dataset, and the page shows it."""
+    from edge_cli.train_mtp import expected_accepted
+
+    page, sections, _ = committed
+    d = _json("mtp-heads.json")
+    heads = [d["mlp_shipped"], d["attention"], *d["curve"]]
+    for h in heads:
+        assert len(h["chain_accuracy"]) == 4 and all(0 <= a <= 1 for a in h["chain_accuracy"])
+        assert h["expected_accepted_k3"] == pytest.approx(expected_accepted(h["chain_accuracy"], 3), abs=1e-9)
+    tokens = [c["train_answer_tokens"] for c in d["curve"]]
+    assert len(tokens) >= 3 and tokens == sorted(tokens) and tokens[-1] == d["train_answer_tokens"]
+    assert d["curve"][-1]["chain_accuracy"] == d["attention"]["chain_accuracy"]
+    assert any(s.kind == "mtp-heads" for s in sections)
+    assert f"{d['attention']['expected_accepted_k3']:.3g}" in page
