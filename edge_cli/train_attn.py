@@ -17,19 +17,13 @@ import time
 import torch
 import torch.nn.functional as F
 
-from edge_cli.train_mtp import expected_accepted
+from edge_cli.train_mtp import draft_index, draft_vocabulary, embedding_table, expected_accepted
 from edge_runtime.spec.attn_head import AttnDraftHead
 
 
 def draft_vocab(records: list[dict], vocab_size: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(the `size` most frequent answer tokens, index [vocab_size]: token -> its draft index or -100)."""
-    counts = torch.zeros(vocab_size)
-    for r in records:
-        counts += torch.bincount(torch.cat([r["tokens"], r["greedy"]]), minlength=vocab_size).float()
-    vocab = torch.argsort(counts, descending=True, stable=True)[:size]
-    index = torch.full((vocab_size,), -100, dtype=torch.long)
-    index[vocab] = torch.arange(len(vocab))
-    return vocab, index
+    return draft_vocabulary(records, vocab_size, size)[:2]
 
 
 def batch_of(records: list[dict], emb_table: torch.Tensor, index: torch.Tensor, steps: int):
@@ -78,8 +72,7 @@ def train_attention(records: list[dict], backend, steps: int = 4, hidden: int = 
     held, train_recs = records[:max(1, len(records) // 20)], records[max(1, len(records) // 20):]
     cfg = backend.model.cfg
     vocab, index = draft_vocab(train_recs, cfg.vocab_size, size)
-    with torch.inference_mode():
-        emb_table = backend.model.embedding(torch.arange(cfg.vocab_size)).float().reshape(cfg.vocab_size, -1).clone()
+    emb_table = embedding_table(backend)
     head_rows = emb_table[vocab].contiguous()
     head = AttnDraftHead(cfg.dim, cfg.num_heads, cfg.head_dim, hidden, vocab, cfg.norm_eps, 10000.0, steps)
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.01)
@@ -132,12 +125,8 @@ def mlp_chain_accuracy(head, records: list[dict], backend) -> list[float]:
     """The shipped `MtpHead`'s chain accuracy on `records`, measured the same way."""
     from edge_cli.train_mtp import accuracy, examples
 
-    cfg = backend.model.cfg
-    index = torch.full((cfg.vocab_size,), -100, dtype=torch.long)
-    index[head.vocab] = torch.arange(len(head.vocab))
-    with torch.inference_mode():
-        emb_table = backend.model.embedding(torch.arange(cfg.vocab_size)).float().reshape(cfg.vocab_size, -1).clone()
-    h, toks, tgts = examples(records, head.depth, index)
+    emb_table = embedding_table(backend)
+    h, toks, tgts = examples(records, head.depth, draft_index(head.vocab, len(emb_table)))
     return accuracy(head, emb_table, emb_table[head.vocab].contiguous(), h, toks, tgts)
 
 

@@ -72,6 +72,29 @@ def accuracy(head, emb_table, head_rows, h, toks, tgts, batch: int = 1024) -> li
     return [float(right[j] / seen[j]) if seen[j] else 0.0 for j in range(depth)]
 
 
+def draft_vocabulary(records: list[dict], vocab_size: int, size: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(the `size` most frequent answer tokens, index [vocab_size]: token -> its draft index or -100, the share
+    of answer tokens they cover)."""
+    counts = torch.zeros(vocab_size)
+    for r in records:
+        counts += torch.bincount(torch.cat([r["tokens"], r["greedy"]]), minlength=vocab_size).float()
+    vocab = torch.argsort(counts, descending=True, stable=True)[:size]
+    return vocab, draft_index(vocab, vocab_size), float(counts[vocab].sum() / counts.sum())
+
+
+def draft_index(vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    index = torch.full((vocab_size,), -100, dtype=torch.long)
+    index[vocab] = torch.arange(len(vocab))
+    return index
+
+
+@torch.inference_mode()
+def embedding_table(backend) -> torch.Tensor:
+    """The base model's token embeddings [vocab, dim], fp32 (its tied output head)."""
+    n = backend.model.cfg.vocab_size
+    return backend.model.embedding(torch.arange(n)).float().reshape(n, -1).clone()
+
+
 def expected_accepted(acc: list[float], k: int) -> float:
     """Tokens per verification at draft length k (bonus included) given per-depth conditional accuracy."""
     total, alive = 1.0, 1.0
@@ -89,15 +112,8 @@ def train(data: dict, backend, depth: int = 4, hidden: int = 1024, draft_vocab: 
     held = records[:max(1, len(records) // 20)]
     train_recs = records[len(held):]
     cfg = backend.model.cfg
-    counts = torch.zeros(cfg.vocab_size)
-    for r in train_recs:
-        counts += torch.bincount(torch.cat([r["tokens"], r["greedy"]]), minlength=cfg.vocab_size).float()
-    vocab = torch.argsort(counts, descending=True, stable=True)[:draft_vocab]
-    vocab_index = torch.full((cfg.vocab_size,), -100, dtype=torch.long)
-    vocab_index[vocab] = torch.arange(len(vocab))
-    coverage = float(counts[vocab].sum() / counts.sum())
-    with torch.inference_mode():
-        emb_table = backend.model.embedding(torch.arange(cfg.vocab_size)).float().reshape(cfg.vocab_size, -1).clone()
+    vocab, vocab_index, coverage = draft_vocabulary(train_recs, cfg.vocab_size, draft_vocab)
+    emb_table = embedding_table(backend)
     head_rows = emb_table[vocab].contiguous()
     h, toks, tgts = examples(train_recs, depth, vocab_index)
     hv, tv, yv = examples(held, depth, vocab_index)

@@ -46,8 +46,6 @@ function save() {
 }
 const saveSoon = () => { if (!saveTimer) saveTimer = setTimeout(save, 1000); };
 
-function current() { return chat; }
-
 // ---- drawing ----------------------------------------------------------------------------------------------
 
 function marker(h) {

@@ -1,8 +1,7 @@
 import pytest
 
-from tests.edge_runtime.server.page_driver import Browser, find_chromium
-
 from tests.edge_runtime.server.gateway_fixtures import Gateway
+from tests.edge_runtime.server.page_driver import Browser, find_chromium
 
 
 @pytest.fixture(scope="module")

@@ -115,7 +115,7 @@ def open_page(b: Browser, g, new_chat: bool = True) -> None:
     b.call("Page.navigate", url=g.url + "/")
     url = json.dumps(g.url + "/")
     wait_for(lambda: b.js(f"location.href === {url} && document.readyState === 'complete' && "
-                          f"typeof current === 'function' && !!current()"), 30, "the page")
+                          f"typeof chat !== 'undefined' && !!chat"), 30, "the page")
     if new_chat:
         b.js("newChat()")
 
@@ -140,7 +140,7 @@ SNAPSHOT = """(() => {
     const parts = [...m.querySelectorAll('.answer [data-source], .answer .handoff')].map((e) =>
         e.classList.contains('handoff') ? {handoff: e.textContent, from: e.dataset.from, to: e.dataset.to}
                                         : {source: e.dataset.source, text: e.textContent});
-    const msg = current().messages.find((x) => x.id === m.dataset.mid);
+    const msg = chat.messages.find((x) => x.id === m.dataset.mid);
     return {state: m.dataset.state, route: m.querySelector('.route').textContent, parts,
             end: m.querySelector('.end').textContent, status: document.getElementById('status').textContent,
             raw: msg ? msg.content : '', shown: m.querySelector('.answer').textContent};

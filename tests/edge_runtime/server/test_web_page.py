@@ -113,7 +113,7 @@ def test_the_conversation_is_kept_and_stop_cancels(browser, gw):
     final, _ = answer(browser, midway=lambda: browser.js("document.getElementById('stop').click()"))
     assert first["state"] == "done" and "Paris" in first["text"] and final["midway"]
     assert final["state"] == "cancelled" and "cancelled" in final["end"] and final["text"]
-    roles = browser.js("current().messages.map((m) => m.role)")
+    roles = browser.js("chat.messages.map((m) => m.role)")
     assert roles == ["user", "assistant", "user", "assistant"]
     assert browser.js("document.getElementById('send').disabled") is False
 

@@ -130,7 +130,7 @@ def test_conversations_survive_a_reload_and_are_switched_and_deleted(browser, gw
     ask(browser, "Name the capital of France.", 8)
     first, _ = answer(browser)
     browser.press("O", "KeyO", 79, CTRL_SHIFT)  # Ctrl+Shift+O: a new chat
-    assert browser.js("[current().messages.length, document.querySelectorAll('#log .msg').length]") == [0, 0]
+    assert browser.js("[chat.messages.length, document.querySelectorAll('#log .msg').length]") == [0, 0]
     ask(browser, "Name a primary colour.", 8)
     second, _ = answer(browser)
     assert first["state"] == second["state"] == "done" and first["raw"] and second["raw"]
@@ -143,9 +143,9 @@ def test_conversations_survive_a_reload_and_are_switched_and_deleted(browser, gw
     assert (shown["raw"], shown["end"], shown["parts"]) == (first["raw"], first["end"], first["parts"])
     assert browser.js("document.querySelector('.msg.user .answer').textContent") == "Name the capital of France."
     browser.press("ArrowUp", "ArrowUp", 38, ALT)  # Alt+Up: the conversation above in the list
-    assert browser.js("current().title") == "Name a primary colour."
+    assert browser.js("chat.title") == "Name a primary colour."
     browser.press("ArrowDown", "ArrowDown", 40, ALT)
-    assert browser.js("current().title") == "Name the capital of France."
+    assert browser.js("chat.title") == "Name the capital of France."
     browser.js("document.querySelector('#chat-list li .delete').click()")  # delete the newest
     assert titles(browser)[:1] == ["Name the capital of France."]
     open_page(browser, gw, new_chat=False)
@@ -175,7 +175,7 @@ def test_keyboard_shortcuts_send_stop_focus_and_copy(browser, gw):
     browser.press("Enter", "Enter", 13, text="\r")  # Enter sends
     final, _ = answer(browser, midway=lambda: browser.press("Escape", "Escape", 27))  # Esc stops
     assert final["midway"] and final["state"] == "cancelled" and final["raw"]
-    assert browser.js("current().messages.map((m) => m.role)") == ["user", "assistant"]
+    assert browser.js("chat.messages.map((m) => m.role)") == ["user", "assistant"]
     browser.press("C", "KeyC", 67, CTRL_SHIFT)  # Ctrl+Shift+C copies the last answer
     wait_for(lambda: clipboard(browser) == final["raw"], 10, "the last answer in the clipboard")
 
