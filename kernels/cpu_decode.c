@@ -40,7 +40,15 @@ typedef struct {
     float* ks; float* vs;        /* int8 scales (NULL otherwise) */
     const int* table;            /* the sequence's block table */
     int bs, kind, rotated;       /* rotated: int8 rows are stored in the Hadamard basis */
+    const int* tail; int base;   /* a draft tree's row (decode_layers_tree): positions p >= base live in
+                                  * slots tail[p - base] (its ancestors', then its own); NULL otherwise */
 } paged_kv;
+
+/* The slot that holds position p. */
+static inline size_t kv_slot(const paged_kv* kv, int p) {
+    if (kv->tail && p >= kv->base) return (size_t)kv->tail[p - kv->base];
+    return (size_t)kv->table[p / kv->bs] * kv->bs + p % kv->bs;
+}
 
 /* x[n] <- x H / sqrt(n) (n a power of two): the butterfly of kv_cache.hadamard_rotate, same order of
  * additions, so both round alike. Its own inverse. */
@@ -213,9 +221,9 @@ static inline float dot(const float* a, const float* b, int n) {
  * cache). nh * hd <= 8192, hd <= 512. */
 static void kv_store_token(const float* qkv, int nh, int nkv, int hd, const float* cos_row, const float* sin_row,
                            const paged_kv* kv, int pos) {
-    const int half = hd / 2, bs = kv->bs;
+    const int half = hd / 2;
     const float* v = qkv + (nh + nkv) * hd;
-    const size_t wslot = (size_t)kv->table[pos / bs] * bs + pos % bs;
+    const size_t wslot = kv_slot(kv, pos);
     float row[512];
     for (int j = 0; j < nkv; j++) {  /* k with RoPE, v as is, into the cache */
         const float* k = qkv + (nh + j) * hd;
@@ -288,11 +296,10 @@ static inline float softmax_exp(float* sc, int n) {
  * scores (n[i]) and output (64). */
 static void attend_queries_f16_64(const float* q, int Q, const int* n, const paged_kv* kv, int nkv, int j,
                                   float* const* sc, float* const* out) {
-    const int bs = kv->bs;
     float buf[8][64] __attribute__((aligned(32)));
     int nmax = 0;
     for (int i = 0; i < Q; i++) nmax = n[i] > nmax ? n[i] : nmax;
-#define ROW(p, s) ((p) + (((size_t)kv->table[(s) / bs] * bs + (s) % bs) * nkv + j) * 64)
+#define ROW(p, s) ((p) + (kv_slot(kv, (s)) * nkv + j) * 64)
 #define LOAD(pool, s0, cnt)                                                                               \
     for (int i = 0; i < (cnt); i++) {                                                                    \
         const uint16_t* r = ROW(pool, (s0) + i);                                                         \
@@ -364,15 +371,12 @@ static inline __attribute__((always_inline)) void attend_head_hd(const float* qk
                                                                   const float* cos_row, const float* sin_row,
                                                                   const paged_kv* kv, int pos, float scale, int h,
                                                                   float* out, float* sc) {
-    const int j = h / (nh / nkv), bs = kv->bs, n = pos + 1;
+    const int j = h / (nh / nkv), n = pos + 1;
     float row[512], q[512], o[512];
     prepare_query(qkv + h * HD, HD, cos_row, sin_row, scale, kv->rotated, q);
     for (int s = 0; s < n; s++) {
-        const size_t slot = (size_t)kv->table[s / bs] * bs + s % bs;
-        if (s + KV_PREFETCH < n) {
-            const int a = s + KV_PREFETCH;
-            kv_prefetch(kv->k, kv->kind, (size_t)kv->table[a / bs] * bs + a % bs, nkv, j, HD);
-        }
+        const size_t slot = kv_slot(kv, s);
+        if (s + KV_PREFETCH < n) kv_prefetch(kv->k, kv->kind, kv_slot(kv, s + KV_PREFETCH), nkv, j, HD);
         sc[s] = dot(q, kv_row(kv->k, kv->ks, kv->kind, slot, nkv, j, HD, row), HD);
     }
     float mx = -INFINITY, sum = 0.0f;
@@ -382,11 +386,8 @@ static inline __attribute__((always_inline)) void attend_head_hd(const float* qk
     const float inv = 1.0f / sum;
     for (int i = 0; i < HD; i++) o[i] = 0.0f;
     for (int s = 0; s < n; s++) {  /* probabilities times V */
-        const size_t slot = (size_t)kv->table[s / bs] * bs + s % bs;
-        if (s + KV_PREFETCH < n) {
-            const int a = s + KV_PREFETCH;
-            kv_prefetch(kv->v, kv->kind, (size_t)kv->table[a / bs] * bs + a % bs, nkv, j, HD);
-        }
+        const size_t slot = kv_slot(kv, s);
+        if (s + KV_PREFETCH < n) kv_prefetch(kv->v, kv->kind, kv_slot(kv, s + KV_PREFETCH), nkv, j, HD);
         const float* vr = kv_row(kv->v, kv->vs, kv->kind, slot, nkv, j, HD, row);
         const float p = sc[s] * inv;
         for (int i = 0; i < HD; i++) o[i] += p * vr[i];
@@ -519,7 +520,8 @@ static void silu_mul_range(const float* gate_up, int hidden, float* out, int i0,
 static int layers(int n_layers, int M, const int* dims, float eps, float scale, const uint8_t** w,
                   const int* kinds, const float** norms, void** kv_pools, const int* tables,
                   int table_stride, const int* pos, const float** cos_rows, const float** sin_rows,
-                  float* x, float* scratch, int one_sequence) {
+                  float* x, float* scratch, int one_sequence, const int* tails, int tail_stride,
+                  const int* bases) {
     const int dim = dims[0], nh = dims[1], nkv = dims[2], hd = dims[3], hidden = dims[4];
     const int max_pos = dims[5], nt = dims[6] > 1 ? dims[6] : 1, arith = dims[10];
     const int n_qkv = (nh + 2 * nkv) * hd;
@@ -565,7 +567,8 @@ static int layers(int n_layers, int M, const int* dims, float eps, float scale, 
             for (int m = t; m < M; m += T) {
                 paged_kv kv = {kv_pools[4 * l], kv_pools[4 * l + 1], (float*)kv_pools[4 * l + 2],
                                (float*)kv_pools[4 * l + 3], tables + (one_sequence ? 0 : (size_t)m * table_stride),
-                               dims[7], dims[8], dims[9]};
+                               dims[7], dims[8], dims[9], tails && bases[m] >= 0 ? tails + (size_t)m * tail_stride : NULL,
+                               tails ? bases[m] : 0};
                 kv_store_token(qkv + (size_t)m * n_qkv, nh, nkv, hd, cos_rows[m], sin_rows[m], &kv, pos[m]);
             }
             team_sync(&bar);
@@ -581,7 +584,8 @@ static int layers(int n_layers, int M, const int* dims, float eps, float scale, 
                     paged_kv kv = {kv_pools[4 * l], kv_pools[4 * l + 1], (float*)kv_pools[4 * l + 2],
                                    (float*)kv_pools[4 * l + 3],
                                    tables + (one_sequence ? 0 : (size_t)last * table_stride), dims[7], dims[8],
-                                   dims[9]};
+                                   dims[9], tails && bases[last] >= 0 ? tails + (size_t)last * tail_stride : NULL,
+                                   tails ? bases[last] : 0};
                     attend_rows(qkv, n_qkv, nh, nkv, cos_rows, sin_rows, pos, part0[p], partn[p], h - j * G,
                                 end - p * nh - j * G, &kv, scale, j, attn, scores, n_scores, (size_t)max_pos + 1);
                     u = end;
@@ -591,7 +595,8 @@ static int layers(int n_layers, int M, const int* dims, float eps, float scale, 
                     const int m = u / nh, h = u % nh;
                     paged_kv kv = {kv_pools[4 * l], kv_pools[4 * l + 1], (float*)kv_pools[4 * l + 2],
                                    (float*)kv_pools[4 * l + 3], tables + (one_sequence ? 0 : (size_t)m * table_stride),
-                                   dims[7], dims[8], dims[9]};
+                                   dims[7], dims[8], dims[9], tails && bases[m] >= 0 ? tails + (size_t)m * tail_stride : NULL,
+                               tails ? bases[m] : 0};
                     attend_head(qkv + (size_t)m * n_qkv, nh, nkv, hd, cos_rows[m], sin_rows[m], &kv, pos[m], scale,
                                 h, attn + ((size_t)m * nh + h) * hd,
                                 scores + (size_t)m * n_scores + (size_t)h * (max_pos + 1));
@@ -627,7 +632,7 @@ int decode_layers_batch(int n_layers, int M, const int* dims, float eps, float s
                         int table_stride, const int* pos, const float** cos_rows, const float** sin_rows,
                         float* x, float* scratch) {
     return layers(n_layers, M, dims, eps, scale, w, kinds, norms, kv_pools, tables, table_stride, pos, cos_rows,
-                  sin_rows, x, scratch, 0);
+                  sin_rows, x, scratch, 0, NULL, 0, NULL);
 }
 
 /* M consecutive tokens of ONE sequence (speculative verification): token m at position pos[0] + m, all
@@ -638,7 +643,23 @@ int decode_layers_chunk(int n_layers, int M, const int* dims, float eps, float s
                         const int* kinds, const float** norms, void** kv_pools, const int* table,
                         const int* pos, const float** cos_rows, const float** sin_rows, float* x, float* scratch) {
     return layers(n_layers, M, dims, eps, scale, w, kinds, norms, kv_pools, table, 0, pos, cos_rows, sin_rows,
-                  x, scratch, 1);
+                  x, scratch, 1, NULL, 0, NULL);
+}
+
+/* decode_layers_batch with draft trees (tree attention): a row m with bases[m] >= 0 is a tree node of its
+ * sequence, at position pos[m] = bases[m] + its depth (its RoPE); its K/V go to slot
+ * tails[m * tail_stride + depth], its own, and the entries before are its ancestors' slots, the tree's root
+ * (at bases[m]) first. It attends over positions 0..bases[m] - 1 of its table, then its ancestors and
+ * itself, in position order: the one-token step's operations on the same values, so the row equals that
+ * step after its path, bit for bit. Rows with bases[m] < 0 are plain. A tree's nodes come in depth-first
+ * order (a node's first child right after it), so a run of rows one deeper each is one path and attends in
+ * one pass. */
+int decode_layers_batch_tree(int n_layers, int M, const int* dims, float eps, float scale, const uint8_t** w,
+                             const int* kinds, const float** norms, void** kv_pools, const int* tables,
+                             int table_stride, const int* pos, const float** cos_rows, const float** sin_rows,
+                             float* x, float* scratch, const int* tails, int tail_stride, const int* bases) {
+    return layers(n_layers, M, dims, eps, scale, w, kinds, norms, kv_pools, tables, table_stride, pos, cos_rows,
+                  sin_rows, x, scratch, 0, tails, tail_stride, bases);
 }
 
 /* One token: decode_layers_batch with M = 1 (dims[5] is its position; table its block table). */

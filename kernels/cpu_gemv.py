@@ -153,6 +153,9 @@ class _Library:
         self.decode_layers_chunk = self.lib.decode_layers_chunk
         self.decode_layers_chunk.argtypes = [i, i, p, f, f, p, p, p, p, p, p, p, p, p, p]
         self.decode_layers_chunk.restype = ctypes.c_int
+        self.decode_layers_batch_tree = self.lib.decode_layers_batch_tree
+        self.decode_layers_batch_tree.argtypes = [i, i, p, f, f, p, p, p, p, p, i, p, p, p, p, p, p, i, p]
+        self.decode_layers_batch_tree.restype = ctypes.c_int
         self.rows_argmax = self.lib.rows_argmax
         self.rows_argmax.argtypes, self.rows_argmax.restype = [p, i, i, p], None
         self.kv_store_rows = self.lib.decode_kv_store_rows

@@ -131,6 +131,17 @@ class PagedKVCache:
                 self.k_scale_pool[:, dst] = self.k_scale_pool[:, src]
                 self.v_scale_pool[:, dst] = self.v_scale_pool[:, src]
 
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        """Copy single slots in every layer, src[i] -> dst[i], bytes as stored (a draft tree's accepted
+        path moved onto consecutive positions), in order."""
+        bs = self.block_size
+        for a, b in zip(src, dst):
+            if a == b:
+                continue
+            pools = (self.k_pool, self.v_pool) + ((self.k_scale_pool, self.v_scale_pool) if self.quantized else ())
+            for pool in pools:
+                pool[:, b // bs, b % bs] = pool[:, a // bs, a % bs]
+
 
 def write_layer(pools: tuple, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """`PagedKVCache.write` on one layer's (k, v, k_scale, v_scale) tensors (plain tensors: torch.compile

@@ -36,10 +36,14 @@ class Backend(ABC):
 
     def set_draft(self, name: str, k: int | None = None, allow_inexact: bool = False) -> None:
         """Speculative drafting for this backend's requests: "auto", "none", "ngram" (prompt lookup) or
-        "mtp" (the model's trained multi-token-prediction heads); `k` fixes the draft length (default:
-        adaptive). Output is unchanged; see speculative.py."""
+        "mtp" (the model's trained multi-token-prediction heads) or "mtp-tree" (their draft trees, tree.py);
+        `k` fixes the draft length, or the tree's size in drafts (default: adaptive). Output is unchanged;
+        see speculative.py."""
+        from edge_runtime.errors import InvalidRequestError
         from edge_runtime.spec.speculative import make_drafter, resolve_draft
 
+        if name == "mtp-tree" and k is not None and not 1 <= k <= 15:
+            raise InvalidRequestError(f"a draft tree holds 1 to 15 drafts (16 rows a pass), not {k}")
         drafter = make_drafter(name, self, allow_inexact)
         if drafter is not None:
             drafter.fixed_k = k

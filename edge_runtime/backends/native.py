@@ -162,6 +162,33 @@ class NativeRunner:
         self.cached_ids.extend(token_ids)
         return out.float().cpu()
 
+    def verify_tree(self, token_ids: list[int], parents: list[int]) -> torch.Tensor:
+        """Evaluate a draft tree in one pass (tree attention): token_ids[0] is the last sampled token (the
+        root, parents[0] = -1), node i > 0 a draft after node parents[i] < i, in depth-first order. Logits
+        fp32 [N, vocab], row i after node i's path, each equal to the one-token step after that path bit
+        for bit. Provisional until `keep_path`; the fused C step only."""
+        if self.model.fused is None:
+            raise NotImplementedError("draft trees need the fused C step")
+        if not self.blocks.append(self.seq, token_ids):
+            raise ContextLengthError("the KV cache is full")
+        pos0 = len(self.cached_ids)
+        slots = self.blocks.slots(self.seq, pos0, pos0 + len(token_ids))
+        with self.compute_lock:
+            out = self.model.fused.step_tree(token_ids, parents, pos0, slots, self.blocks.block_table(self.seq))
+        self.hidden_rows = self.model.fused.chunk_hidden
+        self.cached_ids.extend(token_ids)
+        return out.float().cpu()
+
+    def keep_path(self, start: int, nodes: list[int]) -> None:
+        """After `verify_tree` at position `start`: its nodes `nodes` (the root, then a path of accepted
+        drafts) become positions start.. (their K/V copied there), and every other node leaves the cache."""
+        slots = self.blocks.slots(self.seq, start, start + max(nodes) + 1)
+        self.model.kv.copy_slots([slots[n] for n in nodes], slots[:len(nodes)])
+        tokens = [self.cached_ids[start + n] for n in nodes]
+        self.blocks.rewrite(self.seq, start, tokens)
+        self.cached_ids[start:start + len(nodes)] = tokens
+        self.keep(start + len(nodes))
+
     def keep(self, num_tokens: int) -> None:
         """Keep the first `num_tokens` tokens of the sequence (prompt and accepted ones): rejected drafts leave
         the KV cache, and the kept tokens are committed (their full blocks become cacheable)."""
@@ -287,7 +314,8 @@ class NativeBackend(Backend):
 
     def set_draft(self, name: str, k: int | None = None, allow_inexact: bool = False) -> None:
         """Drafting in the engine's steps: "auto" (n-gram where the fused C step runs, else none), "none",
-        "ngram" or "mtp"; `k` fixes the draft length (default: the planner's choice). Output is unchanged."""
+        "ngram", "mtp" or "mtp-tree"; `k` fixes the draft length or tree size (default: the planner's choice).
+        Output is unchanged."""
         from edge_runtime.spec.speculative import DRAFTERS
 
         if name not in DRAFTERS:
@@ -296,7 +324,7 @@ class NativeBackend(Backend):
         if name == "auto":
             name = "ngram" if engine.model.fused is not None else "none"
         mtp = None
-        if name == "mtp":
+        if name.startswith("mtp"):
             from edge_runtime.spec.mtp import MtpDrafter
 
             mtp = getattr(self, "_mtp_drafter", None) or MtpDrafter.for_backend(self)

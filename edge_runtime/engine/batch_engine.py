@@ -34,7 +34,7 @@ import torch
 from edge_runtime.engine.batch_runner import BatchRunner
 from edge_runtime.engine.block_manager import BlockManager
 from edge_runtime.engine.completion import Completion, confidence, request_ids
-from edge_runtime.engine.drafting import DRAFTS, JobDrafts, StepDrafter
+from edge_runtime.engine.drafting import DRAFTS, JobDrafts, StepDrafter, draft_children, keep_tree_path, tree_depth
 from edge_runtime.engine.kv_cache_config import KVCacheConfig, format_bytes
 from edge_runtime.engine.scheduler import BATCH, INTERACTIVE, Scheduler, SchedulerConfig, Sequence
 from edge_runtime.errors import ContextLengthError
@@ -265,21 +265,26 @@ class BatchEngine:
         self.max_sequences = max(self.max_sequences, len(out.chunks))
         num_sampled = 0
         for chunk, job, rows, hidden, best in zip(out.chunks, jobs, logits, self.runner.hidden, self.runner.argmax):
-            sampled = [] if rows is None or job is None or job.done else self._sample(job, chunk, rows, best)
+            sampled, path = [], []
+            if rows is not None and job is not None and not job.done:
+                sampled, path = self._sample(job, chunk, rows, best)
             before, finish = chunk.seq.num_tokens, None
             for i, token in enumerate(sampled):
-                job.hidden = hidden[i] if hidden is not None else None
-                finish = self._emit_token(job, token, before + i + 1, rows[i])
+                job.hidden = hidden[path[i]] if hidden is not None else None
+                finish = self._emit_token(job, token, before + i + 1, rows[path[i]])
                 if finish is not None:  # what the answer does not use is neither kept nor cached
                     del sampled[i + 1:]
                     break
+            proposed, depth = len(chunk.drafts), tree_depth(chunk.parents, len(chunk.drafts))
+            if chunk.parents and sampled:  # the accepted path onto consecutive slots, then as a chain
+                keep_tree_path(self.blocks, self.runner.model.kv, chunk, path[:len(sampled)])
             self.scheduler.update(chunk, sampled)
             if job is None or not sampled:
                 continue
             if job.drafts is not None and self.drafter is not None and chunk.end - chunk.start == 1:
-                self.drafter.observe(job.drafts, len(chunk.drafts), len(sampled) - 1)
-            self.num_verifications += bool(chunk.drafts)
-            self.num_proposed += len(chunk.drafts)
+                self.drafter.observe(job.drafts, proposed, len(sampled) - 1, depth)
+            self.num_verifications += bool(proposed)
+            self.num_proposed += proposed
             self.num_accepted += len(sampled) - 1
             num_sampled += len(sampled)
             if finish is not None:
@@ -292,20 +297,22 @@ class BatchEngine:
         return out.num_tokens
 
     @staticmethod
-    def _sample(job: Job, chunk, rows: torch.Tensor, best: list[int] | None = None) -> list[int]:
-        """The chunk's next tokens: one from each row while the token drawn equals the draft that row followed
-        (exactly the draws of plain decoding, which would have computed that row next). best: the rows'
-        argmax when the runner computed it, which is plain greedy's token."""
-        history, sampled = chunk.seq.token_ids, []
+    def _sample(job: Job, chunk, rows: torch.Tensor, best: list[int] | None = None) -> tuple[list[int], list[int]]:
+        """The chunk's next tokens and the rows they were drawn from: one from each row while the token drawn
+        is a draft after that row (a chain's next, a tree's child), going on from that draft's row (exactly
+        the draws of plain decoding, which would have computed that row next). best: the rows' argmax when
+        the runner computed it, which is plain greedy's token."""
+        history, sampled, path, row = chunk.seq.token_ids, [], [], 0
         plain = best is not None and job.completion.sampler.plain_greedy
-        for i in range(len(chunk.drafts) + 1):
+        children = draft_children(chunk.drafts, chunk.parents)
+        while row is not None:
             if plain:
-                sampled.append(best[i])
+                sampled.append(best[row])
             else:
-                sampled.append(job.completion.sample(rows[i], history + sampled if sampled else history))
-            if i == len(chunk.drafts) or sampled[-1] != chunk.drafts[i]:
-                break
-        return sampled
+                sampled.append(job.completion.sample(rows[row], history + sampled if sampled else history))
+            path.append(row)
+            row = children[row].get(sampled[-1])
+        return sampled, path
 
     def _emit_token(self, job: Job, token: int, context_len: int, row: torch.Tensor) -> str | None:
         """Send the token's delta, if it makes one; returns the finish reason when the answer ends with it."""

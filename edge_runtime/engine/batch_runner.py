@@ -24,6 +24,7 @@ import torch
 from kernels.kv_cache import slot_tensor
 from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 
+from edge_runtime.model.fused_decode import tree_paths
 from edge_runtime.model.transformer import rms_norm
 from edge_runtime.engine.scheduler import ScheduledChunk
 
@@ -75,10 +76,23 @@ class BatchRunner:
         self.decode_rows, self.decode_sequences, self.decode_seconds = 0, 0, 0.0
         for group in self._groups(chunks, decodes):
             ids = [t for i in group for t in chunks[i].token_ids]
-            positions = [p for i in group for p in range(chunks[i].start, chunks[i].start + chunks[i].num_rows)]
+            positions, tails, bases = [], [], []
+            for i in group:
+                c = chunks[i]
+                if c.parents:  # a draft tree: node r at start + its depth, attending over its own path
+                    bs = model.kv.block_size
+                    slots = [c.block_table[p // bs] * bs + p % bs for p in range(c.start, c.start + c.num_rows)]
+                    paths = tree_paths(c.parents, slots)
+                    positions += [c.start + len(path) - 1 for path in paths]
+                    tails += paths
+                    bases += [c.start] * len(paths)
+                else:
+                    positions += range(c.start, c.start + c.num_rows)
+                    tails += [None] * c.num_rows
+                    bases += [-1] * c.num_rows
             tables = [chunks[i].block_table for i in group for _ in range(chunks[i].num_rows)]
             t0 = time.perf_counter()
-            logits = self.decode(ids, positions, tables)
+            logits = self.decode(ids, positions, tables, tails, bases)
             self.decode_seconds += time.perf_counter() - t0
             self.decode_rows += len(ids)
             self.decode_sequences += len(group)
@@ -135,11 +149,13 @@ class BatchRunner:
             for row, i in enumerate(i for i in which if chunks[i].samples):
                 out[i], self.hidden[i] = logits[row:row + 1], normed[row:row + 1].float().cpu()
 
-    def decode(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor:
-        """One token of each sequence -> logits [M, vocab]."""
+    def decode(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]], tails=None,
+               bases=None) -> torch.Tensor:
+        """One token of each sequence -> logits [M, vocab]; draft trees' rows with `tails` (fused step only)."""
         model = self.model
         if model.fused is not None:
-            return model.fused.step_batch(token_ids, positions, block_tables)
+            return model.fused.step_batch(token_ids, positions, block_tables, tails, bases)
+        assert not any(tails or []), "draft trees need the fused C step"
         return self._decode_torch(token_ids, positions, block_tables)
 
     def _decode_torch(self, token_ids, positions, block_tables) -> torch.Tensor:

@@ -275,6 +275,15 @@ class BlockManager:
         bs, table = self.block_size, seq.block_table
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
+    def rewrite(self, seq_id: Hashable, start: int, token_ids: Sequence[int]) -> None:
+        """Name other tokens at uncommitted positions start.. (a draft tree's accepted path, whose K/V
+        the caller moved onto those positions); nothing is allocated or freed."""
+        seq = self._get(seq_id)
+        if not seq.num_committed <= start <= start + len(token_ids) <= len(seq.token_ids):
+            raise ValueError(f"sequence {seq_id!r}: cannot rewrite [{start}, {start + len(token_ids)}) of "
+                             f"{len(seq.token_ids)} tokens, {seq.num_committed} committed")
+        seq.token_ids[start:start + len(token_ids)] = list(token_ids)
+
     def _get(self, seq_id: Hashable) -> _Sequence:
         seq = self._seqs.get(seq_id)
         if seq is None:

@@ -12,6 +12,13 @@ draws), while the sampled token equals the next draft; the scheduler truncates t
 greedy output is unchanged bit for bit and a seeded sample draws the same tokens (sampler.py:
 for a deterministic drafter, drawing and comparing is the rejection test).
 
+With "mtp-tree" a sequence's drafts are a tree (spec/tree.py: the heads' likeliest continuations, grown
+level by level): its nodes are the rows after the decode token, each attending over its own ancestors
+(`decode_layers_batch_tree`), and sampling walks from the root to the child holding each token drawn
+(`draft_children`); the accepted path's K/V then move onto the first lookahead slots (`keep_tree_path`)
+and everything else is truncated as a rejected chain would be. The planner sizes each tree by what
+trees of each size would have earned the sequence so far (`TreeGain`, scored against its answer).
+
 It knows nothing about requests, text or the model's arithmetic.
 """
 from __future__ import annotations
@@ -20,9 +27,40 @@ from dataclasses import dataclass, field
 
 from edge_runtime.spec.draft_planner import Acceptance, DraftPlanner
 from edge_runtime.spec.speculative import NgramProposer
+from edge_runtime.spec.tree import TreeDrafter, TreeGain
 
-DRAFTS = ("none", "ngram", "mtp")
-MAX_DRAFTS = 7
+DRAFTS = ("none", "ngram", "mtp", "mtp-tree")
+MAX_DRAFTS = 7  # a chain's; a tree's: 15 (16 rows a call)
+
+
+def draft_children(drafts: list[int], parents: list[int] | None) -> list[dict[int, int]]:
+    """Per row of a decode chunk (row 0 its token, row i its draft i - 1): {token: the row after it}."""
+    parents = parents or [-1] + list(range(len(drafts)))
+    children: list[dict[int, int]] = [{} for _ in parents]
+    for i in range(1, len(parents)):
+        children[parents[i]].setdefault(drafts[i - 1], i)
+    return children
+
+
+def keep_tree_path(blocks, kv, chunk, path: list[int]) -> None:
+    """A tree chunk's accepted path (rows, the root first) onto positions chunk.start..: its K/V copied
+    there and its tokens named; the chunk's drafts become the path's, so it updates as a chain would."""
+    seq_id, start = chunk.seq.seq_id, chunk.start
+    slots = blocks.slots(seq_id, start, start + chunk.num_rows)
+    kv.copy_slots([slots[r] for r in path], slots[:len(path)])
+    drafts = [chunk.drafts[r - 1] for r in path[1:]]
+    blocks.rewrite(seq_id, start + 1, drafts)
+    chunk.drafts, chunk.parents = drafts, None
+
+
+def tree_depth(parents: list[int] | None, num_drafts: int) -> int:
+    """How deep a chunk's drafts go (a chain: its length)."""
+    if not parents:
+        return num_drafts
+    depth = [0] * len(parents)
+    for i in range(1, len(parents)):
+        depth[i] = depth[parents[i]] + 1
+    return max(depth)
 
 
 @dataclass(eq=False)
@@ -37,7 +75,8 @@ class JobDrafts:
     pos_proposed: list[int] = field(default_factory=lambda: [0] * 8)
     pos_accepted: list[int] = field(default_factory=lambda: [0] * 8)
 
-    def observe(self, proposed: int, accepted: int) -> None:
+    def observe(self, proposed: int, accepted: int, depth: int | None = None) -> None:
+        """`accepted` of `proposed` drafts; `depth`: how deep they went (a chain: `proposed`)."""
         self.steps += 1
         if not proposed:
             return
@@ -45,7 +84,7 @@ class JobDrafts:
         self.verify_steps += 1
         self.proposed += proposed
         self.accepted += accepted
-        for i in range(proposed):
+        for i in range(min(8, proposed if depth is None else depth)):
             self.pos_proposed[i] += 1
             self.pos_accepted[i] += i < accepted
 
@@ -60,25 +99,31 @@ class JobDrafts:
 
 class StepDrafter:
     def __init__(self, method: str, max_rows: int, mtp=None, fixed_k: int | None = None):
-        """method: "ngram" or "mtp" (with `mtp`, an MtpDrafter); fixed_k: always that many drafts when
-        the proposer has them (for measuring acceptance at a given k), else the planner decides."""
+        """method: "ngram", "mtp" or "mtp-tree" (with `mtp`, an MtpDrafter); fixed_k: always that many
+        drafts when the proposer has them (for measuring acceptance at a given k), else the planner decides."""
         if method not in DRAFTS[1:]:
             raise ValueError(f"the batch engine drafts with {' or '.join(DRAFTS)}, not {method!r}")
-        if method == "mtp" and mtp is None:
+        if method.startswith("mtp") and mtp is None:
             raise ValueError("MTP drafting needs the MTP heads")
         self.method, self.mtp, self.fixed_k = method, mtp, fixed_k
-        self.planner = DraftPlanner(max_rows, k_max=min(MAX_DRAFTS, max_rows - 1))
+        self.tree = TreeDrafter(mtp, size=min(15, max_rows - 1)) if method == "mtp-tree" else None
+        if fixed_k is not None and not 1 <= fixed_k <= (self.tree.size if self.tree else MAX_DRAFTS):
+            raise ValueError(f"{method} drafts 1 to {self.tree.size if self.tree else MAX_DRAFTS} tokens a step, "
+                             f"not {fixed_k}")
+        self.planner = DraftPlanner(max_rows, k_max=self.tree.size if self.tree else min(MAX_DRAFTS, max_rows - 1))
         # acceptance over every job so far: where a new job's estimate starts (a short answer would
         # otherwise spend its few steps paying for drafts a fixed 0.5 guess offered)
-        self.prior = Acceptance(decay=0.98)
+        self.prior = TreeGain(self.tree.size, decay=0.98) if self.tree else Acceptance(decay=0.98)
 
     def new_job(self) -> JobDrafts:
+        if self.tree is not None:
+            return JobDrafts(self.tree, TreeGain(self.tree.size, prior=self.prior))
         return JobDrafts(NgramProposer() if self.method == "ngram" else self.mtp,
                          Acceptance(alpha=self.prior.alpha))
 
-    def observe(self, drafts: JobDrafts, proposed: int, accepted: int) -> None:
+    def observe(self, drafts: JobDrafts, proposed: int, accepted: int, depth: int | None = None) -> None:
         """One decode step of a job: `accepted` of its `proposed` drafts were taken."""
-        drafts.observe(proposed, accepted)
+        drafts.observe(proposed, accepted, depth)
         self.prior.observe(proposed, accepted)
 
     def _propose(self, job, k: int) -> list[int]:
@@ -93,6 +138,8 @@ class StepDrafter:
                    if j is not None and not j.done and c.samples and c.end - c.start == 1]
         cands, limits = [], []
         for chunk, job in decodes:
+            if self.tree is not None:  # score its earlier trees against what it has generated since
+                job.drafts.acceptance.score(chunk.seq.token_ids, into=self.prior)
             # drafts past the answer's budget or the context would never be used
             room = min(job.completion.room - 1, n_ctx - chunk.seq.num_tokens - 1, self.planner.k_max)
             if room < 1:
@@ -103,8 +150,8 @@ class StepDrafter:
                     cands.append((chunk, job, offer))
                     limits.append(len(offer))
             else:  # the heads cost a step each: plan first, then ask for that many
-                cands.append((chunk, job, None))
-                limits.append(room)
+                cands.append((chunk, job, room))
+                limits.append(self.planner.k_max if self.tree is not None else room)
         if not cands:
             return
         if self.fixed_k:
@@ -115,7 +162,17 @@ class StepDrafter:
         for (chunk, job, offer), k in zip(cands, ks):
             if k <= 0 or budget <= 0:
                 continue
-            drafts = (offer if offer is not None else self._propose(job, k))[:min(k, budget)]
+            if self.tree is not None:
+                if job.hidden is None:
+                    continue
+                depth = min(self.tree.depth, offer)  # offer: the room left, in tokens
+                cand = self.tree.grow(job.hidden, chunk.seq.token_ids[-1], self.tree.size, depth)
+                job.drafts.acceptance.add(cand, chunk.seq.num_tokens - 1, depth)
+                tree = cand.top(min(k, budget))
+                if tree.size and scheduler.add_drafts(chunk, tree.tokens[1:], tree.parents):
+                    budget -= tree.size
+                continue
+            drafts = (offer if isinstance(offer, list) else self._propose(job, k))[:min(k, budget)]
             if scheduler.add_drafts(chunk, drafts):
                 budget -= len(drafts)
 

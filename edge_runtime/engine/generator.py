@@ -20,6 +20,7 @@ from edge_runtime.errors import ContextLengthError
 from edge_runtime.model.chat_template import ChatTemplate
 from edge_runtime.request import GenerationRequest, StreamEvent, Usage
 from edge_runtime.spec.speculative import Speculator
+from edge_runtime.spec.tree import TreeSpeculator
 
 
 class Runner(Protocol):
@@ -52,7 +53,9 @@ def generate_stream(runner: Runner, template: ChatTemplate, request: GenerationR
             f"prompt is {len(ids)} tokens but {limit} (at least one token must be left to generate)"
         )
     answer = Completion(request.params, runner.token_bytes, runner.eog_ids, runner.n_ctx)
-    spec = Speculator(runner, drafter) if drafter is not None and hasattr(runner, "verify") else None
+    spec = None
+    if drafter is not None and hasattr(runner, "verify"):
+        spec = TreeSpeculator(runner, drafter) if hasattr(drafter, "grow") else Speculator(runner, drafter)
     seq = 0
     t_start = time.perf_counter()
     yield StreamEvent("start", info={"backend": backend, "prompt_tokens": len(ids)})

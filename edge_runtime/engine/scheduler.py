@@ -68,12 +68,14 @@ class Sequence:
 @dataclass(slots=True)
 class ScheduledChunk:
     """Compute tokens [start, end) of `seq`, then its `drafts` (positions end, end + 1, ...); when `end`
-    is its length, sample the next token (and one more after each accepted draft)."""
+    is its length, sample the next token (and one more after each accepted draft). With `parents`, the
+    drafts are a tree (tree.py): row 0 is the decode token, row i > 0 draft i - 1, after row parents[i]."""
     seq: Sequence
     start: int
     end: int
     block_table: list[int]
     drafts: list[int] = field(default_factory=list)
+    parents: list[int] | None = None
 
     @property
     def samples(self) -> bool:
@@ -220,13 +222,14 @@ class Scheduler:
         out.copies = self.blocks.take_copies()
         return out
 
-    def add_drafts(self, chunk: ScheduledChunk, drafts: list[int]) -> bool:
-        """Give a decode chunk draft tokens to verify in this step, in lookahead slots after its token;
-        False (and no drafts) when the cache has no room for them: drafts never preempt anyone."""
+    def add_drafts(self, chunk: ScheduledChunk, drafts: list[int], parents: list[int] | None = None) -> bool:
+        """Give a decode chunk draft tokens to verify in this step, in lookahead slots after its token
+        (a tree's nodes, with `parents`, in depth-first order); False (and no drafts) when the cache has no
+        room for them: drafts never preempt anyone."""
         assert chunk.samples and chunk.end - chunk.start == 1 and not chunk.drafts, "drafts ride on a decode"
         if not drafts or not self.blocks.append(chunk.seq.seq_id, drafts):
             return False
-        chunk.drafts = list(drafts)
+        chunk.drafts, chunk.parents = list(drafts), parents
         chunk.block_table = self.blocks.block_table(chunk.seq.seq_id)
         return True
 
@@ -234,14 +237,15 @@ class Scheduler:
         """After the step: `chunk` was computed (its K/V are in the cache) and `sampled` drawn, in order,
         when it ended the sequence's known tokens: with drafts, one token per accepted draft (equal to
         it) and one after the last accepted. The rejected drafts' slots are truncated; what stays is
-        verified and committed (cacheable). The engine finishes the sequence separately."""
+        verified and committed (cacheable). The engine finishes the sequence separately. (A tree's accepted
+        path was moved onto the first lookahead slots and made the chunk's drafts before: drafting.py.)"""
         seq = chunk.seq
         if seq.status is not Status.RUNNING:
             return  # finished or preempted meanwhile
         accepted = max(0, len(sampled) - 1) if chunk.drafts else 0
         assert sampled[:accepted] == chunk.drafts[:accepted], "accepted drafts are the tokens sampled"
         seq.num_computed = chunk.end + accepted
-        if chunk.drafts:
+        if self.blocks.num_tokens(seq.seq_id) > seq.num_computed:  # rejected drafts (a chain's or a tree's)
             self.blocks.truncate(seq.seq_id, seq.num_computed)
         self.blocks.commit(seq.seq_id, seq.num_computed)  # evaluated and accepted tokens: cacheable
         seq.token_ids.extend(sampled)

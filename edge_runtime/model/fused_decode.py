@@ -101,10 +101,13 @@ class FusedDecoder:
             self.lib.add_rmsnorm(x[row].data_ptr(), None, m.norm.data_ptr(), cfg.dim, self.eps, normed[row].data_ptr())
         return normed
 
-    def step_batch(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor:
+    def step_batch(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]],
+                   tails: list[list[int] | None] | None = None, bases: list[int] | None = None) -> torch.Tensor:
         """Logits fp32 [M, vocab] for M tokens of M different sequences (M <= cpu_gemv.max_rows()), token m
         at positions[m] of the sequence whose blocks are block_tables[m]. Each row's result equals
-        `step` of that token alone: the C code runs every row through the one-token operations."""
+        `step` of that token alone: the C code runs every row through the one-token operations.
+        Draft trees (`decode_layers_batch_tree`): row m with tails[m] is a tree node at positions[m] =
+        bases[m] + its depth, tails[m] the slots of its path from the tree's root (at bases[m]) to itself."""
         from kernels import cpu_gemv
 
         m, cfg = self.model, self.cfg
@@ -120,9 +123,19 @@ class FusedDecoder:
             flat += table[:n]
             flat += [0] * (stride - n)
         tables = torch.tensor(flat, dtype=torch.int32)
-        rc = self.lib.decode_layers_batch(cfg.num_layers, num, dims, self.eps, self.scale, self.w_ptrs, self.kinds,
-                                          self.norm_ptrs, self.kv_ptrs, tables.data_ptr(), stride, pos_arr, cos, sin,
-                                          x.data_ptr(), scratch.data_ptr())
+        if tails is None or all(t is None for t in tails):
+            rc = self.lib.decode_layers_batch(cfg.num_layers, num, dims, self.eps, self.scale, self.w_ptrs, self.kinds,
+                                              self.norm_ptrs, self.kv_ptrs, tables.data_ptr(), stride, pos_arr, cos,
+                                              sin, x.data_ptr(), scratch.data_ptr())
+        else:
+            width = max(len(t) for t in tails if t is not None)
+            flat_tails = torch.tensor([s for t in tails for s in (t or []) + [0] * (width - len(t or []))],
+                                      dtype=torch.int32)
+            base_arr = torch.tensor([b if t is not None else -1 for t, b in zip(tails, bases)], dtype=torch.int32)
+            rc = self.lib.decode_layers_batch_tree(cfg.num_layers, num, dims, self.eps, self.scale, self.w_ptrs,
+                                                   self.kinds, self.norm_ptrs, self.kv_ptrs, tables.data_ptr(), stride,
+                                                   pos_arr, cos, sin, x.data_ptr(), scratch.data_ptr(),
+                                                   flat_tails.data_ptr(), width, base_arr.data_ptr())
         assert rc == 0, rc
         self.batch_hidden = normed = self._final_norm(x)  # [M, dim]: what the head read, one row per sequence
         return m.output(normed).float()
@@ -161,6 +174,18 @@ class FusedDecoder:
         m.last_hidden = self.chunk_hidden[-1]
         return torch.cat(outs) if head == "all" else m.output(self.chunk_hidden[-1:]).float()
 
+    def step_tree(self, token_ids: list[int], parents: list[int], pos0: int, slots: list[int],
+                  block_table: list[int]) -> torch.Tensor:
+        """Logits fp32 [N, vocab] for a draft tree of one sequence (`NativeRunner.verify_tree`): node i at
+        position pos0 + its depth, its K/V in slots[i]; row i equals the one-token step after node i's path
+        (root first), bit for bit. `chunk_hidden` then holds what the head read."""
+        paths = tree_paths(parents, slots)
+        logits = self.step_batch(token_ids, [pos0 + len(p) - 1 for p in paths], [block_table] * len(paths),
+                                 tails=paths, bases=[pos0] * len(paths))
+        self.chunk_hidden = self.batch_hidden
+        self.model.last_hidden = self.chunk_hidden[-1]
+        return logits
+
     def argmax(self, logits: torch.Tensor) -> list[int]:
         """Each row's argmax of fp32 logits [M, vocab] in one C call (torch.argmax's index: the first on
         ties, the first NaN if any)."""
@@ -195,6 +220,16 @@ class FusedDecoder:
         self.lib.add_rmsnorm(x.data_ptr(), None, m.norm.data_ptr(), cfg.dim, self.eps, self.logits_norm.data_ptr())
         m.last_hidden = self.logits_norm[0]  # NOTE: a view of a reused buffer; copy it to keep it
         return m.output(self.logits_norm).float()
+
+
+def tree_paths(parents: list[int], slots: list[int]) -> list[list[int]]:
+    """Each node's path of slots from the root (parents[0] = -1; a parent before its children)."""
+    paths: list[list[int]] = []
+    for i, parent in enumerate(parents):
+        if not (i == 0 and parent == -1 or 0 <= parent < i):
+            raise ValueError(f"node {i}: its parent {parent} must come before it (and only the root has -1)")
+        paths.append((paths[parent] if i else []) + [slots[i]])
+    return paths
 
 
 KV_KIND = {"fp32": 0, "fp16": 1, "bf16": 2, "int8": 3}  # the pool dtype codes of cpu_decode.c

@@ -9,7 +9,7 @@ rate a turns k drafts into 1 + a + ... + a^k tokens in expectation (`Acceptance`
 
 `DraftPlanner.plan` picks each sequence's k to maximize the step's expected tokens per second:
 from no drafts at all it adds one draft at a time where it gains most (the next draft of sequence
-j is worth a_j^(k_j + 1) tokens), and keeps the best point of that path. So drafting shrinks as
+j is worth a_j^(k_j + 1) tokens for a chain, `TreeGain.marginal` for a draft tree), and keeps the best point of that path. So drafting shrinks as
 the batch fills (each extra row costs more of a fuller step) and stops where it does not pay;
 a sequence left without drafts for `probe_every` steps per row of the step gets one anyway, so
 its acceptance estimate can recover (about one probe row per `probe_every` steps in all). It knows nothing about models, tokens or the KV cache.
@@ -33,6 +33,10 @@ class Acceptance:
             trials = accepted + (accepted < proposed)
             w = self.decay ** trials
             self.alpha = w * self.alpha + (1 - w) * accepted / trials
+
+    def marginal(self, k: int) -> float:
+        """Expected tokens the (k + 1)-th draft adds: all k + 1 must be accepted."""
+        return self.alpha ** (k + 1)
 
     def expected_tokens(self, k: int) -> float:
         a = self.alpha
@@ -98,7 +102,7 @@ class DraftPlanner:
         tokens = float(rows)
         best, best_rate = list(k), tokens / self.cost(rows, sequences)
         while rows < self.max_rows:
-            gains = [acceptances[j].alpha ** (k[j] + 1) if k[j] < limits[j] else -1.0 for j in range(n)]
+            gains = [acceptances[j].marginal(k[j]) if k[j] < limits[j] else -1.0 for j in range(n)]
             j = max(range(n), key=gains.__getitem__, default=None)
             if j is None or gains[j] <= 0.0:
                 break

@@ -179,17 +179,22 @@ class MtpDrafter:
         return self.propose_from(hidden, history[-1], k)
 
     @torch.inference_mode()
+    def head_step(self, h: torch.Tensor, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One head step for F drafts at once: states h [F, dim] and the tokens they chose -> the next
+        states [F, dim] and their draft-vocabulary logits [F, len(vocab)] (F <= 8 on the Q8 path)."""
+        e = self.embed(torch.tensor(tokens)).reshape(len(tokens), -1)
+        if self.fast is not None and len(tokens) <= 8:
+            h = self.fast(h, e)
+            return h, self.fast.logits(h)
+        h = self.head(h, e)
+        return h, h @ self.head_rows.T
+
     def propose_from(self, hidden: torch.Tensor, token: int, k: int) -> list[int]:
         """Up to k drafts after `token`, given the hidden state whose logits chose `token`."""
         h = hidden.float().reshape(1, -1)
         out = []
         for _ in range(min(k, self.max_depth)):
-            e = self.embed(torch.tensor([token])).reshape(1, -1)
-            if self.fast is not None:
-                h = self.fast(h, e)
-                token = self.vocab[int(torch.argmax(self.fast.logits(h)))]
-            else:
-                h = self.head(h, e)
-                token = self.vocab[int(torch.argmax(h[0] @ self.head_rows.T))]
+            h, logits = self.head_step(h, [token])
+            token = self.vocab[int(torch.argmax(logits[0]))]
             out.append(token)
         return out

@@ -214,7 +214,7 @@ class Speculator:
                 "pos_proposed": list(self.pos_proposed), "pos_accepted": list(self.pos_accepted)}
 
 
-DRAFTERS = ("auto", "none", "ngram", "mtp")
+DRAFTERS = ("auto", "none", "ngram", "mtp", "mtp-tree")
 
 
 def exact_verify(runner) -> bool:
@@ -244,8 +244,12 @@ def make_drafter(name: str, backend, allow_inexact: bool = False):
     name = resolve_draft(name, backend)
     if name == "none":
         return None
-    if name == "mtp" and getattr(backend, "model", None) is None:
+    if name.startswith("mtp") and getattr(backend, "model", None) is None:
         raise InvalidRequestError(f"MTP drafting needs the native backend's hidden states, not {backend.name}")
+    if name == "mtp-tree" and (getattr(backend.model, "fused", None) is None or not hasattr(backend.runner,
+                                                                                              "verify_tree")):
+        raise InvalidRequestError("draft trees need the native backend's fused C decode step (tree attention), "
+                                  "which this model or machine does not run: use --draft mtp")
     if not hasattr(backend.runner, "verify"):
         raise InvalidRequestError(f"the {backend.name} backend cannot verify drafts")
     if not exact_verify(backend.runner) and not allow_inexact:
@@ -259,4 +263,8 @@ def make_drafter(name: str, backend, allow_inexact: bool = False):
     cached = getattr(backend, "_mtp_drafter", None)
     if cached is None:  # loading and quantizing the heads once per backend
         cached = backend._mtp_drafter = MtpDrafter.for_backend(backend)
+    if name == "mtp-tree":
+        from edge_runtime.spec.tree import TreeDrafter
+
+        return TreeDrafter(cached)
     return cached

@@ -134,3 +134,19 @@ def test_bad_arguments():
         PagedKVCache.bytes_per_token(1, NKV, HD, "q4")
     with pytest.raises(ValueError):
         PagedKVCache(1, 0, BS, NKV, HD, "fp16")
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp16", "int8"])
+def test_copy_slots_moves_single_positions_in_every_layer(kv_dtype):
+    """A draft tree's accepted path onto consecutive slots: bytes (and int8 scales) as stored, other slots
+    untouched, in order."""
+    kv = PagedKVCache(3, 4, 4, 2, 8, kv_dtype)
+    for layer in range(3):
+        kv.write(layer, torch.arange(16), torch.randn(16, 2, 8), torch.randn(16, 2, 8))
+    before = [t.clone() for t in (kv.k_pool, kv.v_pool) + ((kv.k_scale_pool,) if kv.quantized else ())]
+    kv.copy_slots([5, 9, 14], [5, 6, 7])  # slot 5 stays; 9 -> 6 (same block), 14 -> 7 (another block)
+    for new, old in zip((kv.k_pool, kv.v_pool) + ((kv.k_scale_pool,) if kv.quantized else ()), before):
+        flat_new, flat_old = new.flatten(1, 2), old.flatten(1, 2)
+        assert torch.equal(flat_new[:, 6], flat_old[:, 9]) and torch.equal(flat_new[:, 7], flat_old[:, 14])
+        keep = [s for s in range(16) if s not in (6, 7)]
+        assert torch.equal(flat_new[:, keep], flat_old[:, keep])

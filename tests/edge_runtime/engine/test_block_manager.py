@@ -369,3 +369,21 @@ def test_imports_no_torch_or_numpy():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_rewrite_names_uncommitted_positions_only():
+    """A draft tree's accepted path takes the first lookahead positions: their tokens are renamed, nothing is
+    allocated or freed, and committed positions cannot be rewritten."""
+    bm = BlockManager(8, block_size=4)
+    bm.allocate("a", [1, 2, 3, 4, 5])
+    bm.commit("a", 5)
+    assert bm.append("a", [6, 70, 71, 80, 81])  # the decode token, then tree nodes
+    table = bm.block_table("a")
+    bm.rewrite("a", 6, [80, 81])  # the path through the second branch
+    bm.truncate("a", 8)
+    bm.commit("a", 8)
+    assert bm.block_table("a") == table[:2] and bm.num_tokens("a") == 8
+    assert bm.num_cached_prefix([1, 2, 3, 4, 5, 6, 80, 81, 9]) == 8
+    with pytest.raises(ValueError, match="cannot rewrite"):
+        bm.rewrite("a", 7, [1])
+    bm.check_invariants()

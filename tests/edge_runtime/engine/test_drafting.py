@@ -30,10 +30,10 @@ def engine(model_path):
     return load_engine(model_path, n_ctx=1024, config=SchedulerConfig(4, 512, 256))
 
 
-def run(engine, draft: str, requests, after=None, steps_log=None):
+def run(engine, draft: str, requests, after=None, steps_log=None, **draft_args):
     """Submit `requests` (one each `after[i]` engine steps in, else at once), step until all finish; token
     ids. `steps_log` collects, per step, how many chunks carried drafts."""
-    engine.set_draft(draft)
+    engine.set_draft(draft, **draft_args)
     engine.blocks.reset_prefix_cache()  # every run cold
     out = {i: [] for i in range(len(requests))}
     sinks = {i: (lambda ev, i=i: out[i].extend(ev.token_ids) if ev.type == "delta" else None) for i in out}
@@ -75,6 +75,25 @@ def test_several_sequences_draft_in_one_step_and_every_answer_equals_its_solo_pl
     assert together == alone
     assert max(log) >= 2  # some step verified drafts of two or more sequences at once
     assert engine.scheduler.stats()["num_running"] == 0 and not engine.jobs
+
+
+def test_draft_trees_of_several_sequences_in_one_step_give_their_solo_plain_answers(engine):
+    """Trees (tree attention rows) of up to four sequences in one batched C call, next to plain rows."""
+    import glob
+
+    from edge_runtime.spec.mtp import HEADS_DIR, MtpDrafter, MtpHead
+
+    mtp = MtpDrafter(MtpHead.load(sorted(glob.glob(f"{HEADS_DIR}/*.safetensors"))[0])[0], engine.model.embedding)
+    requests = GROUNDED + [OTHER]
+    alone = [run(engine, "none", [r])[0] for r in requests]
+    log: list[int] = []
+    before = engine.draft_stats()
+    together = run(engine, "mtp-tree", requests, after=[0, 0, 3, 7], steps_log=log, mtp=mtp, fixed_k=6)
+    after = engine.draft_stats()
+    assert together == alone
+    assert max(log) >= 2 and after["accepted"] > before["accepted"]
+    assert engine.scheduler.stats()["num_running"] == 0 and not engine.jobs
+    engine.blocks.check_invariants()
 
 
 def test_a_prefix_cache_hit_after_drafting_continues_as_a_cold_run(engine):

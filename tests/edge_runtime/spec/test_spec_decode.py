@@ -41,14 +41,14 @@ def check_cache_holds_only_the_answer(backend, res, question):
     assert len(prompt) == n and engine.blocks.num_cached_prefix(prompt + res.token_ids) == full * engine.blocks.block_size
 
 
-def check_lossless(backend, draft, prompts, max_tokens, plain=None):
+def check_lossless(backend, draft, prompts, max_tokens, plain=None, k=None):
     """Every answer identical to plain decoding; drafts were both accepted and rejected along the way."""
     proposed = accepted = 0
     plain = plain or {}
     for p in prompts:
         if p not in plain:
             plain[p] = greedy(backend, p, "none", max_tokens)
-        spec = greedy(backend, p, draft, max_tokens)
+        spec = greedy(backend, p, draft, max_tokens, k)
         assert spec.token_ids == plain[p].token_ids, (draft, p[:60])
         assert spec.text == plain[p].text
         d = spec.timings["draft"]
@@ -72,6 +72,12 @@ def test_mtp_greedy_output_is_identical_to_plain_decoding(native_backend, plain_
 
     assert find_heads(native_backend), "the trained heads ship in edge_runtime/data/mtp"
     check_lossless(native_backend, "mtp", PROMPTS, 128, plain_answers)
+
+
+@pytest.mark.parametrize("size", [7, None])
+def test_mtp_tree_greedy_output_is_identical_to_plain_decoding(native_backend, plain_answers, size):
+    """Draft trees in the engine's steps (a fixed size of 7 drafts, and the adaptive size)."""
+    check_lossless(native_backend, "mtp-tree", PROMPTS if size else PROMPTS[:4], 128, plain_answers, k=size)
 
 
 def test_drafting_on_llama_cpp_is_refused_because_its_batches_round_differently(llama_backend):
@@ -207,7 +213,7 @@ def test_seeded_sampling_gives_the_same_answer_with_and_without_drafting(native_
     """Deterministic drafts are checked by drawing from p and comparing (the one-hot case of the rejection
     test), so the random stream is untouched: a seed gives the same answer whatever the drafts."""
     outs = {}
-    for draft in ("none", "ngram", "mtp"):
+    for draft in ("none", "ngram", "mtp", "mtp-tree"):
         native_backend.runner.reset()
         native_backend.set_draft(draft, k=3)  # a fixed length: the adaptive one follows wall-clock costs
         try:
@@ -216,7 +222,8 @@ def test_seeded_sampling_gives_the_same_answer_with_and_without_drafting(native_
             outs[draft] = native_backend.generate(req)
         finally:
             native_backend.set_draft("none")
-    assert outs["ngram"].token_ids == outs["none"].token_ids == outs["mtp"].token_ids
+    assert outs["ngram"].token_ids == outs["none"].token_ids == outs["mtp"].token_ids == outs["mtp-tree"].token_ids
+    assert outs["mtp-tree"].timings["draft"]["verify_steps"] > 0
     assert outs["ngram"].timings["draft"]["accepted"] > 0
 
 
