@@ -36,6 +36,7 @@ def register(sub) -> None:
                     "figures (0 = all)")
     bs = b.add_argument_group("spec")
     bs.add_argument("--draft-k", type=int, default=3, help="spec: draft tokens per verification (MT-Bench runs)")
+    bs.add_argument("--tree-size", type=int, default=15, help="spec: drafts per tree in the fixed-size tree runs")
     bs.add_argument("--questions", type=int, default=80, help="spec: MT-Bench first turns to run (of 80)")
     bs.add_argument("--grounded", type=int, default=12, help="spec: input-grounded prompts to run")
     bs.add_argument("--spec-tokens", type=int, default=128, help="spec: tokens per answer")
@@ -44,9 +45,22 @@ def register(sub) -> None:
     bv.add_argument("--serve-tokens", type=int, default=128, help="serve: tokens per answer")
     b.add_argument("--cache-pairs", type=int, default=40, help="cache: pairs of the labelled set to replay")
     b.set_defaults(func=cmd_bench)
+    b.set_defaults(_flag_defaults={a.dest: (a.default, a.option_strings[0]) for a in b._actions if a.option_strings})
+    groups = {"batching": bb, "hybrid": bh, "spec": bs, "serve": bv}
+    b.set_defaults(_flag_owner={a.dest: name for name, g in groups.items() for a in g._group_actions}
+                   | {"cache_pairs": "cache", "dir": "report", "out": "report"})
+
+
+def _refuse_foreign_flags(args) -> None:
+    """A flag of another benchmark is refused, never silently ignored."""
+    for dest, owner in args._flag_owner.items():
+        default, flag = args._flag_defaults[dest]
+        if owner != args.name and getattr(args, dest) != default:
+            raise SystemExit(f"edge-runtime bench {args.name}: {flag} applies to `bench {owner}` only")
 
 
 def cmd_bench(args) -> int:
+    _refuse_foreign_flags(args)
     if args.name == "report":
         from edge_cli.bench.report import run_report
 

@@ -167,6 +167,7 @@ def _attention(d):
 
 SPEC_KEYS = [("mtp.speedup_over_plain", "MTP vs plain decode", "plain decode 1.0"),
              ("mtp.speedup_over_llama_cpp", "MTP vs llama.cpp", "llama.cpp 1.0"),
+             ("mtp.tree.speedup_over_plain", "MTP trees vs plain decode", "plain decode 1.0"),
              ("ngram.speedup_over_plain_grounded", "n-gram vs plain (grounded prompts)", "plain decode 1.0")]
 
 
@@ -178,11 +179,14 @@ def _spec(d):
     axs[0].axhline(1.0, color="#555555", lw=1, label="anchor (1.0)")
     for i, (k, _, _) in enumerate(keys):
         _hline(axs[0], _target(d, k), "target" if i == 0 else None, i)
-    _bars(axs[1], ["MTP"], [_get(d, "mtp.mean_accepted")], "accepted draft tokens\nper step (mean)", "tokens")
+    accepted = [(k, n) for k, n in (("mtp.mean_accepted", "MTP chains"), ("mtp.tree_mean_accepted", "MTP trees"))
+                if _isnum(_get(d, k))]
+    _bars(axs[1], [n for _, n in accepted], [_get(d, k) for k, _ in accepted], "tokens per verification\n(mean)",
+          "tokens")
     rows = [_row(name, _num(_get(d, k)), anchor, _get(d, k), k, _target(d, k)) for k, name, anchor in keys]
-    if _isnum(_get(d, "mtp.mean_accepted")):
-        rows.append(_row("MTP accepted tokens per step", _num(_get(d, "mtp.mean_accepted")), "", None, "",
-                         _target(d, "mtp.mean_accepted"), ">=", _get(d, "mtp.mean_accepted")))
+    for k, name in accepted:
+        rows.append(_row(f"{name}: tokens per verification", _num(_get(d, k)), "", None, "", _target(d, k), ">=",
+                         _get(d, k)))
     return "spec: speculative decoding", "Speedups are tok/s over the anchor's tok/s.", rows, fig
 
 

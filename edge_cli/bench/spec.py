@@ -7,8 +7,9 @@ Two workloads, greedy, `--spec-tokens` tokens per answer, chat template on:
 
 Per prompt every configuration runs back to back (so drifts of the machine hit all alike):
 native plain, native MTP at a fixed k = `--draft-k` (acceptance figures), native MTP with the
-adaptive draft length (what `--draft mtp` gives), n-gram on both engines, and llama.cpp plain
-on the same GGUF with the same threads. Decode speed is generated tokens after the first over
+adaptive draft length (what `--draft mtp` gives), draft trees of a fixed `--tree-size` drafts (tree
+acceptance figures) and of the adaptive size (what `--draft mtp-tree` gives; MT-Bench only), n-gram
+on both engines, and llama.cpp plain on the same GGUF with the same threads. Decode speed is generated tokens after the first over
 the time after the first token, summed over prompts. Every drafted run's tokens are compared
 with the plain run's of the same engine: `identical` must be true for the native engine
 (`lossless`). llama.cpp's n-gram row is measured but not offered to users: its batched rows
@@ -109,8 +110,8 @@ def run_spec_bench(args) -> int:
     native = NativeBackend(model=args.model, threads=args.threads)
     llama = LlamaCppBackend(model=args.model, threads=args.threads or native_threads())
     has_mtp = find_heads(native) is not None
-    n_tok, k = args.spec_tokens, args.draft_k
-    mt = {name: Tally() for name in ("plain", "mtp_k", "mtp", "ngram", "llama_plain")}
+    n_tok, k, tree = args.spec_tokens, args.draft_k, args.tree_size
+    mt = {name: Tally() for name in ("plain", "mtp_k", "mtp", "tree_k", "tree", "ngram", "llama_plain")}
     gr = {name: Tally() for name in ("plain", "ngram", "mtp", "llama_plain", "llama_ngram")}
     t0 = time.time()
     for i, q in enumerate(questions):
@@ -118,6 +119,8 @@ def run_spec_bench(args) -> int:
         if has_mtp:
             _run(native, "mtp", k, q, n_tok, mt["mtp_k"])
             _run(native, "mtp", None, q, n_tok, mt["mtp"])
+            _run(native, "mtp-tree", tree, q, n_tok, mt["tree_k"])
+            _run(native, "mtp-tree", None, q, n_tok, mt["tree"])
         _run(native, "ngram", None, q, n_tok, mt["ngram"])
         _run(llama, "none", None, q, n_tok, mt["llama_plain"])
         print(f"  mt-bench {i + 1}/{len(questions)} ({time.time() - t0:.0f} s)", flush=True)
@@ -133,7 +136,9 @@ def run_spec_bench(args) -> int:
     gplain, glplain = gr["plain"].summary(), gr["llama_plain"].summary()
     res = {
         "workloads": {"mt_bench_first_turns": len(questions), "grounded": len(grounded), "max_tokens": n_tok,
-                      "greedy": True, "threads": args.threads or native_threads(), "draft_k": k},
+                      "greedy": True, "threads": args.threads or native_threads(), "draft_k": k, "tree_size": tree},
+        "targets": {"mtp.mean_accepted": 2.5, "mtp.tree_mean_accepted": 3.0, "mtp.speedup_over_plain": 1.6,
+                    "mtp.speedup_over_llama_cpp": 2.0, "ngram.speedup_over_plain_grounded": 2.0},
         "mt_bench": {"native_plain": plain, "llama_cpp_plain": lplain,
                      "native_ngram": mt["ngram"].summary(mt["plain"])},
         "grounded": {"native_plain": gplain, "llama_cpp_plain": glplain,
@@ -153,6 +158,13 @@ def run_spec_bench(args) -> int:
         res["mtp.speedup_over_plain"] = round(ma["tok_s"] / plain["tok_s"], 3)
         res["mtp.speedup_over_llama_cpp"] = round(ma["tok_s"] / lplain["tok_s"], 3)
         res[f"mtp.k{k}.speedup_over_plain"] = round(mk["tok_s"] / plain["tok_s"], 3)
+        tk, ta = mt["tree_k"].summary(mt["plain"]), mt["tree"].summary(mt["plain"])
+        res["mt_bench"].update({f"native_mtp_tree_{tree}": tk, "native_mtp_tree": ta})
+        res["mtp.tree_mean_accepted"] = tk.get("mean_accepted", 0.0)
+        res["mtp.tree_acceptance_per_depth"] = tk.get("acceptance_per_position", [])
+        res[f"mtp.tree{tree}.speedup_over_plain"] = round(tk["tok_s"] / plain["tok_s"], 3)
+        res["mtp.tree.speedup_over_plain"] = round(ta["tok_s"] / plain["tok_s"], 3)
+        res["mtp.tree.speedup_over_llama_cpp"] = round(ta["tok_s"] / lplain["tok_s"], 3)
     else:
         res["mtp"] = "no MTP heads ship for this model: run `edge-runtime train-mtp`"
     res["lossless"] = all(v.get("identical", True) for w in ("mt_bench", "grounded") for name, v in res[w].items()

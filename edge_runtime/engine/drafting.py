@@ -165,7 +165,8 @@ class StepDrafter:
             if self.tree is not None:
                 if job.hidden is None:
                     continue
-                depth = min(self.tree.depth, offer)  # offer: the room left, in tokens
+                # offer: the room left, in tokens; k drafts reach at most k deep (and each level is a head step)
+                depth = min(self.tree.depth, offer, k)
                 cand = self.tree.grow(job.hidden, chunk.seq.token_ids[-1], self.tree.size, depth)
                 job.drafts.acceptance.add(cand, chunk.seq.num_tokens - 1, depth)
                 tree = cand.top(min(k, budget))

@@ -22,11 +22,12 @@ positions and drops every other node, so rejected branches never stay in the KV 
 prefix cache.
 
 Size: since drafts are deterministic, a tree's outcome is known once the answer has gone past it -
-the accepted path is the longest path of the tree that the answer follows. So each step's full
-candidate tree (nodes ranked by cumulative draft probability) is scored for every smaller size too,
-against the tokens actually generated (`TreeGain`), and the next size is the one with the most tokens
-per second at the measured verification cost of that many rows (0: a plain step). While no size
-pays, every `probe_every`-th step still grows a candidate tree (not verified, only scored).
+the accepted path is the longest path of the tree that the answer follows. So each step's candidate
+tree (15 nodes ranked by cumulative draft probability, grown only as deep as the size verified can
+reach: each level is a head step) is scored for every size at once, against the tokens actually
+generated (`TreeGain`), and the next size is the one with the most tokens per second at the measured
+verification cost of that many rows (0: a plain step). While no size pays, every `probe_every`-th
+step still grows a small candidate tree (not verified, only scored).
 """
 from __future__ import annotations
 
@@ -224,11 +225,12 @@ class TreeSpeculator:
         self.steps += 1
         self.idle = 0 if n else self.idle + 1
         if n or (limit and self.idle % self.probe_every == 0):  # while none pays, a probe now and then
+            depth = min(limit, max(n, 2))  # n drafts reach at most n deep, and each level is a head step
             t0 = time.perf_counter()
-            cand = self.drafter.grow(self.hidden, token, self.drafter.size, limit)
+            cand = self.drafter.grow(self.hidden, token, self.drafter.size, depth)
             seconds = time.perf_counter() - t0
             self.grow_seconds = seconds if not self.grow_seconds else 0.8 * self.grow_seconds + 0.2 * seconds
-            self.gain.add(cand, len(history) - 1, limit)
+            self.gain.add(cand, len(history) - 1, depth)
         if not n:
             t0 = time.perf_counter()
             logits = self.runner.step(token)
