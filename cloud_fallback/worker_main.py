@@ -46,9 +46,10 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--upstream-model", default=None, help="model name on the upstream server (default: its first)")
     p.add_argument("--upstream-key-file", default=None, help="file holding the upstream server's API key")
     p.add_argument("--max-batch", type=int, default=8, help="sequences per step (continuous batching)")
-    p.add_argument("--draft", default="none", choices=["none", "ngram", "mtp"],
+    p.add_argument("--draft", default="none", choices=["none", "ngram", "mtp", "mtp-tree"],
                    help="speculative decoding, output unchanged: drafts as extra rows of each step, as many per "
-                        "sequence as pay for themselves; ngram = prompt lookup, mtp = the model's shipped MTP heads")
+                        "sequence as pay for themselves; ngram = prompt lookup, mtp = the model's shipped MTP heads, "
+                        "mtp-tree = their draft trees")
     p.add_argument("--max-batched-tokens", type=int, default=512, help="tokens computed per step")
     p.add_argument("--chunk-size", type=int, default=256, help="prefill chunk size (a multiple of 16)")
     p.add_argument("--max-tokens", dest="limit_max_tokens", type=int, default=2048, help="limit on max_tokens")
@@ -156,16 +157,16 @@ def run_worker(args) -> int:
             raise EdgeRuntimeError(str(e)) from None
         engine = load_engine(args.model, n_ctx=args.ctx, threads=args.threads, quant=args.quant, device=args.device,
                              kv_dtype=args.kv_dtype, kv_budget=args.kv_budget, config=config,
-                             draft="none" if args.draft == "mtp" else args.draft)
-        if args.draft == "mtp":
-            _draft_mtp(engine)
+                             draft="none" if args.draft.startswith("mtp") else args.draft)
+        if args.draft.startswith("mtp"):
+            _draft_mtp(engine, args.draft)
     if token is None:
         token = secrets.token_urlsafe(24)
         print(f"edge-runtime worker: token {token} (pass --token-file to choose one)", file=sys.stderr, flush=True)
     return asyncio.run(_serve(args, token, limits, tls, engine))
 
 
-def _draft_mtp(engine) -> None:
+def _draft_mtp(engine, method: str = "mtp") -> None:
     """The engine drafts with the MTP heads shipped for its model (found by the model's fingerprint, as the
     device's native backend finds them); none shipped, or no fused C step, is a one-line error."""
     import types
@@ -175,9 +176,9 @@ def _draft_mtp(engine) -> None:
 
     model = types.SimpleNamespace(name="worker", model=engine.model, tokenizer_fingerprint=engine.tokenizer.fingerprint)
     try:
-        engine.set_draft("mtp", mtp=MtpDrafter.for_backend(model))
+        engine.set_draft(method, mtp=MtpDrafter.for_backend(model))
     except (InvalidRequestError, ValueError) as e:
-        raise EdgeRuntimeError(f"--draft mtp: {getattr(e, 'message', None) or e}") from None
+        raise EdgeRuntimeError(f"--draft {method}: {getattr(e, 'message', None) or e}") from None
 
 
 async def _serve(args, token: str, limits: WorkerLimits, tls, engine) -> int:

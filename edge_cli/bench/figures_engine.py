@@ -168,6 +168,7 @@ def _attention(d):
 SPEC_KEYS = [("mtp.speedup_over_plain", "MTP vs plain decode", "plain decode 1.0"),
              ("mtp.speedup_over_llama_cpp", "MTP vs llama.cpp", "llama.cpp 1.0"),
              ("mtp.tree.speedup_over_plain", "MTP trees vs plain decode", "plain decode 1.0"),
+             ("auto.speedup_over_plain", "--draft auto vs plain (MT-Bench)", "plain decode 1.0"),
              ("ngram.speedup_over_plain_grounded", "n-gram vs plain (grounded prompts)", "plain decode 1.0")]
 
 

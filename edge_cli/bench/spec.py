@@ -9,7 +9,8 @@ Per prompt every configuration runs back to back (so drifts of the machine hit a
 native plain, native MTP at a fixed k = `--draft-k` (acceptance figures), native MTP with the
 adaptive draft length (what `--draft mtp` gives), draft trees of a fixed `--tree-size` drafts (tree
 acceptance figures) and of the adaptive size (what `--draft mtp-tree` gives; MT-Bench only), n-gram
-on both engines, and llama.cpp plain on the same GGUF with the same threads. Decode speed is generated tokens after the first over
+on both engines, `--draft auto` (the default: n-gram, else trees where they pay), and llama.cpp plain
+on the same GGUF with the same threads. Decode speed is generated tokens after the first over
 the time after the first token, summed over prompts. Every drafted run's tokens are compared
 with the plain run's of the same engine: `identical` must be true for the native engine
 (`lossless`). llama.cpp's n-gram row is measured but not offered to users: its batched rows
@@ -111,8 +112,8 @@ def run_spec_bench(args) -> int:
     llama = LlamaCppBackend(model=args.model, threads=args.threads or native_threads())
     has_mtp = find_heads(native) is not None
     n_tok, k, tree = args.spec_tokens, args.draft_k, args.tree_size
-    mt = {name: Tally() for name in ("plain", "mtp_k", "mtp", "tree_k", "tree", "ngram", "llama_plain")}
-    gr = {name: Tally() for name in ("plain", "ngram", "mtp", "llama_plain", "llama_ngram")}
+    mt = {name: Tally() for name in ("plain", "mtp_k", "mtp", "tree_k", "tree", "ngram", "auto", "llama_plain")}
+    gr = {name: Tally() for name in ("plain", "ngram", "mtp", "auto", "llama_plain", "llama_ngram")}
     t0 = time.time()
     for i, q in enumerate(questions):
         _run(native, "none", None, q, n_tok, mt["plain"])
@@ -122,11 +123,13 @@ def run_spec_bench(args) -> int:
             _run(native, "mtp-tree", tree, q, n_tok, mt["tree_k"])
             _run(native, "mtp-tree", None, q, n_tok, mt["tree"])
         _run(native, "ngram", None, q, n_tok, mt["ngram"])
+        _run(native, "auto", None, q, n_tok, mt["auto"])
         _run(llama, "none", None, q, n_tok, mt["llama_plain"])
         print(f"  mt-bench {i + 1}/{len(questions)} ({time.time() - t0:.0f} s)", flush=True)
     for i, p in enumerate(grounded):
         _run(native, "none", None, p, n_tok, gr["plain"])
         _run(native, "ngram", None, p, n_tok, gr["ngram"])
+        _run(native, "auto", None, p, n_tok, gr["auto"])
         if has_mtp:
             _run(native, "mtp", None, p, n_tok, gr["mtp"])
         _run(llama, "none", None, p, n_tok, gr["llama_plain"])
@@ -140,13 +143,15 @@ def run_spec_bench(args) -> int:
         "targets": {"mtp.mean_accepted": 2.5, "mtp.tree_mean_accepted": 3.0, "mtp.speedup_over_plain": 1.6,
                     "mtp.speedup_over_llama_cpp": 2.0, "ngram.speedup_over_plain_grounded": 2.0},
         "mt_bench": {"native_plain": plain, "llama_cpp_plain": lplain,
-                     "native_ngram": mt["ngram"].summary(mt["plain"])},
+                     "native_ngram": mt["ngram"].summary(mt["plain"]), "native_auto": mt["auto"].summary(mt["plain"])},
         "grounded": {"native_plain": gplain, "llama_cpp_plain": glplain,
-                     "native_ngram": gr["ngram"].summary(gr["plain"]),
+                     "native_ngram": gr["ngram"].summary(gr["plain"]), "native_auto": gr["auto"].summary(gr["plain"]),
                      "llama_cpp_ngram": gr["llama_ngram"].summary(gr["llama_plain"])},
     }
     ng = res["grounded"]["native_ngram"]
     res["ngram.speedup_over_plain_grounded"] = round(ng["tok_s"] / gplain["tok_s"], 3)
+    res["auto.speedup_over_plain"] = round(res["mt_bench"]["native_auto"]["tok_s"] / plain["tok_s"], 3)
+    res["auto.speedup_over_plain_grounded"] = round(res["grounded"]["native_auto"]["tok_s"] / gplain["tok_s"], 3)
     res["ngram.llama_cpp_speedup_over_plain_grounded"] = round(
         res["grounded"]["llama_cpp_ngram"]["tok_s"] / glplain["tok_s"], 3)
     if has_mtp:

@@ -315,18 +315,20 @@ class NativeBackend(Backend):
     def set_draft(self, name: str, k: int | None = None, allow_inexact: bool = False) -> None:
         """Drafting in the engine's steps: "auto" (n-gram where the fused C step runs, else none), "none",
         "ngram", "mtp" or "mtp-tree"; `k` fixes the draft length or tree size (default: the planner's choice).
+        "auto": where the fused C step runs, prompt lookup where it finds a span and otherwise the MTP heads'
+        draft trees where their measured gain pays for them (n-gram alone when no heads ship), else none.
         Output is unchanged."""
         from edge_runtime.spec.speculative import DRAFTERS
 
         if name not in DRAFTERS:
             raise InvalidRequestError(f"unknown draft method {name!r}: choose one of {', '.join(DRAFTERS)}")
-        engine = self.engine
-        if name == "auto":
-            name = "ngram" if engine.model.fused is not None else "none"
-        mtp = None
-        if name.startswith("mtp"):
-            from edge_runtime.spec.mtp import MtpDrafter
+        from edge_runtime.spec.mtp import MtpDrafter, find_heads
 
+        engine = self.engine
+        if name == "auto":  # prompt lookup, and the heads' trees where they pay, when heads ship
+            name = "none" if engine.model.fused is None else "auto" if find_heads(self) else "ngram"
+        mtp = None
+        if name.startswith("mtp") or name == "auto":
             mtp = getattr(self, "_mtp_drafter", None) or MtpDrafter.for_backend(self)
             self._mtp_drafter = mtp
         try:

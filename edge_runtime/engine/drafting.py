@@ -23,13 +23,14 @@ It knows nothing about requests, text or the model's arithmetic.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from edge_runtime.spec.draft_planner import Acceptance, DraftPlanner
 from edge_runtime.spec.speculative import NgramProposer
 from edge_runtime.spec.tree import TreeDrafter, TreeGain
 
-DRAFTS = ("none", "ngram", "mtp", "mtp-tree")
+DRAFTS = ("none", "ngram", "mtp", "mtp-tree", "auto")
 MAX_DRAFTS = 7  # a chain's; a tree's: 15 (16 rows a call)
 
 
@@ -65,9 +66,12 @@ def tree_depth(parents: list[int] | None, num_drafts: int) -> int:
 
 @dataclass(eq=False)
 class JobDrafts:
-    """One job's drafting state: its proposer, acceptance estimate and counters."""
+    """One job's drafting state: its chain proposer (prompt lookup or the heads; None for trees only), the
+    chains' acceptance estimate, its trees' gains (`TreeGain`, when it grows trees) and counters."""
     proposer: object
     acceptance: Acceptance = field(default_factory=Acceptance)
+    tree: TreeGain | None = None
+    last_tree: bool = False  # whether its last drafts were a tree
     steps: int = 0  # decode steps it took part in
     verify_steps: int = 0  # of which carried drafts
     proposed: int = 0
@@ -80,7 +84,8 @@ class JobDrafts:
         self.steps += 1
         if not proposed:
             return
-        self.acceptance.observe(proposed, accepted)
+        if not self.last_tree:  # trees learn from scoring every size against the answer (TreeGain)
+            self.acceptance.observe(proposed, accepted)
         self.verify_steps += 1
         self.proposed += proposed
         self.accepted += accepted
@@ -99,83 +104,93 @@ class JobDrafts:
 
 class StepDrafter:
     def __init__(self, method: str, max_rows: int, mtp=None, fixed_k: int | None = None):
-        """method: "ngram", "mtp" or "mtp-tree" (with `mtp`, an MtpDrafter); fixed_k: always that many
-        drafts when the proposer has them (for measuring acceptance at a given k), else the planner decides."""
+        """method: "ngram", "mtp", "mtp-tree" or "auto" (prompt lookup where it finds a span, else draft trees;
+        with `mtp`, an MtpDrafter, for all but "ngram"); fixed_k: always that many drafts when the proposer
+        has them (for measuring acceptance at a given k), else the planner decides."""
         if method not in DRAFTS[1:]:
             raise ValueError(f"the batch engine drafts with {' or '.join(DRAFTS)}, not {method!r}")
-        if method.startswith("mtp") and mtp is None:
+        if method != "ngram" and mtp is None:
             raise ValueError("MTP drafting needs the MTP heads")
         self.method, self.mtp, self.fixed_k = method, mtp, fixed_k
-        self.tree = TreeDrafter(mtp, size=min(15, max_rows - 1)) if method == "mtp-tree" else None
-        if fixed_k is not None and not 1 <= fixed_k <= (self.tree.size if self.tree else MAX_DRAFTS):
-            raise ValueError(f"{method} drafts 1 to {self.tree.size if self.tree else MAX_DRAFTS} tokens a step, "
-                             f"not {fixed_k}")
+        self.tree = TreeDrafter(mtp, size=min(15, max_rows - 1)) if method in ("mtp-tree", "auto") else None
+        most = self.tree.size if self.tree else MAX_DRAFTS
+        if fixed_k is not None and not 1 <= fixed_k <= most:
+            raise ValueError(f"{method} drafts 1 to {most} tokens a step, not {fixed_k}")
         self.planner = DraftPlanner(max_rows, k_max=self.tree.size if self.tree else min(MAX_DRAFTS, max_rows - 1))
         # acceptance over every job so far: where a new job's estimate starts (a short answer would
-        # otherwise spend its few steps paying for drafts a fixed 0.5 guess offered)
-        self.prior = TreeGain(self.tree.size, decay=0.98) if self.tree else Acceptance(decay=0.98)
+        # otherwise spend its few steps paying for drafts a fixed 0.5 guess offered); trees' gains likewise
+        self.prior = Acceptance(decay=0.98)
+        self.tree_prior = TreeGain(self.tree.size, decay=0.98) if self.tree else None
+        self.head_seconds = 0.0  # a head step (one level of a tree, one draft of a chain), measured
 
     def new_job(self) -> JobDrafts:
-        if self.tree is not None:
-            return JobDrafts(self.tree, TreeGain(self.tree.size, prior=self.prior))
-        return JobDrafts(NgramProposer() if self.method == "ngram" else self.mtp,
-                         Acceptance(alpha=self.prior.alpha))
+        chain = None if self.method == "mtp-tree" else self.mtp if self.method == "mtp" else NgramProposer()
+        tree = TreeGain(self.tree.size, prior=self.tree_prior) if self.tree else None
+        return JobDrafts(chain, Acceptance(alpha=self.prior.alpha), tree)
 
     def observe(self, drafts: JobDrafts, proposed: int, accepted: int, depth: int | None = None) -> None:
         """One decode step of a job: `accepted` of its `proposed` drafts were taken."""
         drafts.observe(proposed, accepted, depth)
-        self.prior.observe(proposed, accepted)
+        if not drafts.last_tree:
+            self.prior.observe(proposed, accepted)
 
-    def _propose(self, job, k: int) -> list[int]:
-        if self.method == "ngram":
-            return job.drafts.proposer.propose(job.seq.token_ids, k)[:k]
-        return self.mtp.propose(job.seq.token_ids, k, job.hidden)[:k] if job.hidden is not None else []
+    def _head_time(self, seconds: float, steps: int) -> None:
+        per = seconds / max(1, steps)
+        self.head_seconds = per if not self.head_seconds else 0.8 * self.head_seconds + 0.2 * per
 
     def add(self, scheduler, out, jobs: list, n_ctx: int, budget: int) -> None:
         """Give the step's decode chunks drafts. jobs[i]: the job of out.chunks[i] (None when gone);
         budget: rows the step may still add."""
         decodes = [(c, j) for c, j in zip(out.chunks, jobs)
                    if j is not None and not j.done and c.samples and c.end - c.start == 1]
-        cands, limits = [], []
+        cands, limits = [], []  # (chunk, job, what prompt lookup offers or the room left, its estimate)
         for chunk, job in decodes:
-            if self.tree is not None:  # score its earlier trees against what it has generated since
-                job.drafts.acceptance.score(chunk.seq.token_ids, into=self.prior)
+            d = job.drafts
+            if d.tree is not None:  # score its earlier trees against what it has generated since
+                d.tree.score(chunk.seq.token_ids, into=self.tree_prior)
             # drafts past the answer's budget or the context would never be used
             room = min(job.completion.room - 1, n_ctx - chunk.seq.num_tokens - 1, self.planner.k_max)
             if room < 1:
                 continue
-            if self.method == "ngram":  # free to ask: plan with what it offers
-                offer = self._propose(job, room)
-                if offer:
-                    cands.append((chunk, job, offer))
-                    limits.append(len(offer))
-            else:  # the heads cost a step each: plan first, then ask for that many
-                cands.append((chunk, job, room))
-                limits.append(self.planner.k_max if self.tree is not None else room)
+            offer = d.proposer.propose(chunk.seq.token_ids, min(room, MAX_DRAFTS)) \
+                if isinstance(d.proposer, NgramProposer) else None
+            if offer:  # free to ask: plan with what it offers
+                cands.append((chunk, job, offer, d.acceptance))
+                limits.append(len(offer))
+            elif d.tree is not None and job.hidden is not None:  # a tree: plan first, then grow it
+                d.tree.level_seconds = self.head_seconds
+                cands.append((chunk, job, room, d.tree))
+                limits.append(self.tree.size)
+            elif self.method == "mtp" and job.hidden is not None:  # the heads cost a step per draft
+                d.acceptance.step_seconds = self.head_seconds
+                cands.append((chunk, job, room, d.acceptance))
+                limits.append(min(room, MAX_DRAFTS))
         if not cands:
             return
         if self.fixed_k:
             ks = [min(self.fixed_k, limit) for limit in limits]
         else:
-            ks = self.planner.plan([job.drafts.acceptance for _, job, _ in cands], limits,
-                                   other_rows=len(decodes) - len(cands))
-        for (chunk, job, offer), k in zip(cands, ks):
+            ks = self.planner.plan([est for *_, est in cands], limits, other_rows=len(decodes) - len(cands))
+        for (chunk, job, offer, est), k in zip(cands, ks):
             if k <= 0 or budget <= 0:
                 continue
-            if self.tree is not None:
-                if job.hidden is None:
-                    continue
-                # offer: the room left, in tokens; k drafts reach at most k deep (and each level is a head step)
-                depth = min(self.tree.depth, offer, k)
+            k = min(k, budget)
+            t0 = time.perf_counter()
+            if est is job.drafts.tree:
+                depth = min(self.tree.depth, offer, k)  # offer: the room left; k drafts reach at most k deep
                 cand = self.tree.grow(job.hidden, chunk.seq.token_ids[-1], self.tree.size, depth)
-                job.drafts.acceptance.add(cand, chunk.seq.num_tokens - 1, depth)
-                tree = cand.top(min(k, budget))
-                if tree.size and scheduler.add_drafts(chunk, tree.tokens[1:], tree.parents):
-                    budget -= tree.size
-                continue
-            drafts = (offer if isinstance(offer, list) else self._propose(job, k))[:min(k, budget)]
-            if scheduler.add_drafts(chunk, drafts):
+                self._head_time(time.perf_counter() - t0, depth)
+                est.add(cand, chunk.seq.num_tokens - 1, depth)
+                tree = cand.top(k)
+                drafts, parents = tree.tokens[1:], tree.parents
+            elif isinstance(offer, list):
+                drafts, parents = offer[:k], None
+            else:
+                drafts, parents = self.mtp.propose(chunk.seq.token_ids, k, job.hidden)[:k], None
+                self._head_time(time.perf_counter() - t0, k)
+            if drafts and scheduler.add_drafts(chunk, drafts, parents):
                 budget -= len(drafts)
+                job.drafts.last_tree = parents is not None
 
     def observe_step(self, rows: int, seconds: float, sequences: int | None = None) -> None:
         if rows:

@@ -25,6 +25,7 @@ class Acceptance:
     alpha: float = 0.5
     decay: float = 0.9
     idle: int = 0
+    step_seconds: float = 0.0  # what proposing one draft costs (the MTP heads' step; prompt lookup: 0)
 
     def observe(self, proposed: int, accepted: int) -> None:
         """One verification: the first `accepted` of `proposed` drafts were taken."""
@@ -37,6 +38,10 @@ class Acceptance:
     def marginal(self, k: int) -> float:
         """Expected tokens the (k + 1)-th draft adds: all k + 1 must be accepted."""
         return self.alpha ** (k + 1)
+
+    def draft_cost(self, k: int) -> float:
+        """Seconds proposing k drafts takes."""
+        return self.step_seconds * k
 
     def expected_tokens(self, k: int) -> float:
         a = self.alpha
@@ -99,17 +104,18 @@ class DraftPlanner:
         limits = [max(0, min(limit, self.k_max)) for limit in limits]
         k = [0] * n
         rows = sequences = n + other_rows
-        tokens = float(rows)
+        tokens, drafting = float(rows), 0.0  # drafting: seconds the proposals cost
         best, best_rate = list(k), tokens / self.cost(rows, sequences)
         while rows < self.max_rows:
             gains = [acceptances[j].marginal(k[j]) if k[j] < limits[j] else -1.0 for j in range(n)]
             j = max(range(n), key=gains.__getitem__, default=None)
             if j is None or gains[j] <= 0.0:
                 break
+            drafting += acceptances[j].draft_cost(k[j] + 1) - acceptances[j].draft_cost(k[j])
             k[j] += 1
             rows += 1
             tokens += gains[j]
-            rate = tokens / self.cost(rows, sequences)
+            rate = tokens / (self.cost(rows, sequences) + drafting)
             if rate > best_rate * 1.02:  # a marginal gain is not worth the risk of a noisy estimate
                 best, best_rate = list(k), rate
         rows = n + other_rows + sum(best)

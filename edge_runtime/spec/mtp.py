@@ -195,6 +195,6 @@ class MtpDrafter:
         out = []
         for _ in range(min(k, self.max_depth)):
             h, logits = self.head_step(h, [token])
-            token = self.vocab[int(torch.argmax(logits[0]))]
+            token = self.vocab[int(logits[0].numpy().argmax())]  # numpy: no thread wake-ups for 4096 values
             out.append(token)
         return out

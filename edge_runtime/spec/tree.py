@@ -34,6 +34,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from edge_runtime.spec.draft_planner import StepCost
@@ -91,9 +92,15 @@ class TreeDrafter:
         frontier, states = [0], hidden.float().reshape(1, -1)
         for _ in range(depth):
             states, logits = self.mtp.head_step(states, [nodes[i][2] for i in frontier])
-            logp, idx = torch.log_softmax(logits, dim=-1).topk(min(self.width, logits.shape[-1]), dim=-1)
+            # each row's `width` likeliest tokens and their log-probabilities (numpy: a torch reduction over
+            # these few thousand values costs milliseconds of thread wake-ups here)
+            lg = logits.numpy()
+            w = min(self.width, lg.shape[1])
+            idx = np.argpartition(-lg, w - 1, axis=1)[:, :w]
+            top = lg.max(axis=1, keepdims=True)
+            logp = np.take_along_axis(lg, idx, 1) - (top + np.log(np.exp(lg - top).sum(axis=1, keepdims=True)))
             cands = sorted(((nodes[f][0] + float(logp[r, c]), r, int(idx[r, c])) for r, f in enumerate(frontier)
-                            for c in range(logp.shape[1])), key=lambda x: -x[0])[:self.width]
+                            for c in range(w)), key=lambda x: (-x[0], x[1], x[2]))[:self.width]
             rows = []
             for score, r, j in cands:
                 nodes.append((score, frontier[r], self.mtp.vocab[j]))
@@ -127,6 +134,7 @@ class TreeGain:
         self.gain = list(prior.gain) if prior is not None else [0.0] + [0.5] * max_size
         self.pending: list[tuple[DraftTree, int, int]] = []  # (candidate tree, its root's index, its depth)
         self.idle = 0  # steps without drafts (DraftPlanner's probes)
+        self.level_seconds, self.depth = 0.0, 5  # a level of growth (one head step) costs; levels at most
 
     @property
     def alpha(self) -> float:
@@ -139,6 +147,10 @@ class TreeGain:
 
     def expected_tokens(self, k: int) -> float:
         return 1.0 + self.gain[min(k, self.max_size)]
+
+    def draft_cost(self, k: int) -> float:
+        """Seconds growing a tree for k drafts takes (as deep as k can reach, a head step a level)."""
+        return self.level_seconds * min(k, self.depth)
 
     def observe(self, proposed: int, accepted: int) -> None:
         """A verification's outcome: trees learn from `score` instead (every size at once)."""

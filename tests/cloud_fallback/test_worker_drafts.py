@@ -1,5 +1,7 @@
 """The worker with drafts (`--draft ngram`, `--draft mtp`) as a real process on loopback: drafts are verified
 as rows of the batched steps (counted on /metrics) and every answer is token for token the plain worker's."""
+import pytest
+
 from tests.cloud_fallback.worker_fixtures import (PROMPTS, WorkerProcess, answers_at_once, collect, gen, joined,
                                                   open_raw, run)
 
@@ -32,10 +34,12 @@ def test_a_worker_with_ngram_drafts_answers_as_without(worker, solo):
         assert joined(together[i])[:2] == solo[i][:2]
 
 
-def test_a_worker_with_mtp_drafts_answers_as_without(solo):
-    """--draft mtp: the worker drafts with the MTP heads shipped for its model (drafts verified, counted on
-    /metrics), and its answers, three at once, are token for token the plain worker's."""
-    w = WorkerProcess("--max-prompt-tokens", "300", "--max-tokens", "400", "--draft", "mtp")
+@pytest.mark.parametrize("method", ["mtp", "mtp-tree"])
+def test_a_worker_with_mtp_drafts_answers_as_without(solo, method):
+    """--draft mtp (chains) and mtp-tree (draft trees): the worker drafts with the MTP heads shipped for its
+    model (drafts verified, counted on /metrics), and its answers, three at once, are token for token the
+    plain worker's."""
+    w = WorkerProcess("--max-prompt-tokens", "300", "--max-tokens", "400", "--draft", method)
     try:
         together = answers_at_once(w, PROMPTS[:3], "m")
         m = w.metrics()
@@ -44,4 +48,4 @@ def test_a_worker_with_mtp_drafts_answers_as_without(solo):
     assert m["edge_worker_draft_verifications_total"] > 0
     for i in range(3):
         assert together[i][-1]["type"] == "done"
-        assert joined(together[i]) == solo[i][:2], f"prompt {i} changed with MTP drafts"
+        assert joined(together[i]) == solo[i][:2], f"prompt {i} changed with {method} drafts"

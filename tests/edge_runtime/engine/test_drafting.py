@@ -94,6 +94,12 @@ def test_draft_trees_of_several_sequences_in_one_step_give_their_solo_plain_answ
     assert max(log) >= 2 and after["accepted"] > before["accepted"]
     assert engine.scheduler.stats()["num_running"] == 0 and not engine.jobs
     engine.blocks.check_invariants()
+    # auto: prompt lookup where it finds a span, trees elsewhere (the planner decides); the same answers
+    before = engine.draft_stats()
+    assert run(engine, "auto", requests, after=[0, 0, 3, 7], mtp=mtp) == alone
+    assert engine.draft_stats()["verifications"] > before["verifications"]
+    with pytest.raises(ValueError, match="MTP drafting needs the MTP heads"):
+        engine.set_draft("auto")
 
 
 def test_a_prefix_cache_hit_after_drafting_continues_as_a_cold_run(engine):

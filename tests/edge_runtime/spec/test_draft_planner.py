@@ -101,3 +101,30 @@ def test_acceptance_moves_toward_what_is_observed():
     for _ in range(40):  # a rejection at the first draft is one trial: 40 of them weigh 1 - 0.9^40
         a.observe(4, 0)
     assert a.alpha < 0.05
+
+
+def test_what_proposing_costs_counts_against_the_drafts():
+    """A draft that pays when proposing it is free (prompt lookup) does not when the proposal costs as much as
+    the rows it saves (the heads' steps): the planner adds the drafters' own time to the step's."""
+    p = planner()
+    free = Acceptance(alpha=0.6)
+    assert p.plan([free], [7])[0] >= 2
+    costly = Acceptance(alpha=0.6, step_seconds=3e-3)  # 3 ms a draft against a 4.4 ms step
+    assert p.plan([costly], [7]) == [0]
+    assert costly.draft_cost(3) == pytest.approx(9e-3)
+
+
+def test_trees_are_planned_from_their_measured_gain_per_size():
+    """A tree's worth per extra node is gain(k + 1) - gain(k), from trees scored against the answer; its
+    growth costs a head step per level."""
+    from edge_runtime.spec.tree import DraftTree, TreeGain
+
+    p = planner()
+    gain = TreeGain(8, decay=0.0)
+    tree = DraftTree([0, 1, 2, 3, 4, 5], [-1, 0, 1, 2, 0, 4], [-1, 0, 1, 2, 3, 4])
+    gain.add(tree, 0, 3)
+    gain.score([0, 1, 2, 3, 9])  # the answer followed the first branch three deep
+    assert gain.gain[:5] == [0.0, 1.0, 2.0, 3.0, 3.0]
+    assert p.plan([gain], [8]) == [3]  # the fourth node would earn nothing
+    gain.level_seconds = 20e-3  # a level costing far more than a step: no tree
+    assert p.plan([gain], [8]) == [0]
