@@ -18,6 +18,7 @@ level by level): its nodes are the rows after the decode token, each attending o
 (`draft_children`); the accepted path's K/V then move onto the first lookahead slots (`keep_tree_path`)
 and everything else is truncated as a rejected chain would be. The planner sizes each tree by what
 trees of each size would have earned the sequence so far (`TreeGain`, scored against its answer).
+"auto" gives each sequence both: prompt lookup's chain where it finds a span, else a tree.
 
 It knows nothing about requests, text or the model's arithmetic.
 """

@@ -136,11 +136,6 @@ class TreeGain:
         self.idle = 0  # steps without drafts (DraftPlanner's probes)
         self.level_seconds, self.depth = 0.0, 5  # a level of growth (one head step) costs; levels at most
 
-    @property
-    def alpha(self) -> float:
-        """The first draft's acceptance (for stats)."""
-        return self.gain[1] if self.max_size else 0.0
-
     def marginal(self, k: int) -> float:
         """Expected tokens the (k + 1)-th draft adds (DraftPlanner)."""
         return max(0.0, self.gain[k + 1] - self.gain[k]) if k < self.max_size else 0.0
@@ -151,9 +146,6 @@ class TreeGain:
     def draft_cost(self, k: int) -> float:
         """Seconds growing a tree for k drafts takes (as deep as k can reach, a head step a level)."""
         return self.level_seconds * min(k, self.depth)
-
-    def observe(self, proposed: int, accepted: int) -> None:
-        """A verification's outcome: trees learn from `score` instead (every size at once)."""
 
     def observe_tree(self, ranks: list[int], into: "TreeGain | None" = None) -> None:
         """One candidate tree scored: `ranks` of the nodes on the path the answer followed."""
