@@ -22,7 +22,8 @@ def _add_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
     if draft:
         p.add_argument("--draft", default="auto", choices=["auto", "mtp", "mtp-tree", "ngram", "none"],
                        help="speculative decoding, output unchanged: mtp = the model's trained draft heads, "
-                            "mtp-tree = their draft trees (one pass, tree attention), ngram = prompt lookup; auto = ngram where verification is exact (native), else none")
+                            "mtp-tree = their draft trees (one pass, tree attention), ngram = prompt lookup; "
+                            "auto = ngram, else MTP trees where they pay (native), else none")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: the device profile's, one per "
                    "physical core)")
     p.add_argument("--ctx", type=int, default=4096, help="context window in tokens")

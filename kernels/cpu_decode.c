@@ -40,7 +40,7 @@ typedef struct {
     float* ks; float* vs;        /* int8 scales (NULL otherwise) */
     const int* table;            /* the sequence's block table */
     int bs, kind, rotated;       /* rotated: int8 rows are stored in the Hadamard basis */
-    const int* tail; int base;   /* a draft tree's row (decode_layers_tree): positions p >= base live in
+    const int* tail; int base;   /* a draft tree's row (decode_layers_batch_tree): positions p >= base live in
                                   * slots tail[p - base] (its ancestors', then its own); NULL otherwise */
 } paged_kv;
 
@@ -504,6 +504,17 @@ static void silu_mul_range(const float* gate_up, int hidden, float* out, int i0,
 
 /* ---- the whole stack of layers for one step in one call ------------------------------------ */
 
+/* Layer l's cache as row m sees it: its sequence's block table (tables + m * table_stride) and, for a draft
+ * tree's node (bases[m] >= 0), its path's slots. */
+static inline paged_kv row_kv(void** kv_pools, int l, const int* dims, const int* tables, int table_stride,
+                              const int* tails, int tail_stride, const int* bases, int m) {
+    const int tree = tails && bases[m] >= 0;
+    const paged_kv kv = {kv_pools[4 * l], kv_pools[4 * l + 1], (float*)kv_pools[4 * l + 2],
+                         (float*)kv_pools[4 * l + 3], tables + (size_t)m * table_stride, dims[7], dims[8], dims[9],
+                         tree ? tails + (size_t)m * tail_stride : NULL, tree ? bases[m] : 0};
+    return kv;
+}
+
 /* dims: dim, nh, nkv, hd, hidden, max_pos, num_threads, block_size, kv_kind, rotated, arith. Per l, w[4 l + j]
  * and kinds[4 l + j] for j = qkv, o, gate_up, down (raw GGUF rows, kind codes as gguf_dequantize's, plus 16
  * for cpu_qgemm's packed layout); norms[2 l + j] for j = attn, ffn; kv_pools[4 l + j] for j = k pool,
@@ -527,6 +538,7 @@ static int layers(int n_layers, int M, const int* dims, float eps, float scale, 
     const int n_qkv = (nh + 2 * nkv) * hd;
     const size_t n_scores = (size_t)nh * (max_pos + 1);
     const int group_mode = group_attention(dims), G = nh / nkv;
+    const int stride = one_sequence ? 0 : table_stride;  /* one sequence: every row reads `tables` */
     int* part0 = malloc(sizeof(int) * 2 * (size_t)M);
     if (!part0) return -2;
     int* partn = part0 + M;
@@ -565,10 +577,7 @@ static int layers(int n_layers, int M, const int* dims, float eps, float scale, 
             team_sync(&bar);
             /* every row's k/v first (for one sequence, later rows attend to them), then attention */
             for (int m = t; m < M; m += T) {
-                paged_kv kv = {kv_pools[4 * l], kv_pools[4 * l + 1], (float*)kv_pools[4 * l + 2],
-                               (float*)kv_pools[4 * l + 3], tables + (one_sequence ? 0 : (size_t)m * table_stride),
-                               dims[7], dims[8], dims[9], tails && bases[m] >= 0 ? tails + (size_t)m * tail_stride : NULL,
-                               tails ? bases[m] : 0};
+                const paged_kv kv = row_kv(kv_pools, l, dims, tables, stride, tails, tail_stride, bases, m);
                 kv_store_token(qkv + (size_t)m * n_qkv, nh, nkv, hd, cos_rows[m], sin_rows[m], &kv, pos[m]);
             }
             team_sync(&bar);
@@ -581,11 +590,7 @@ static int layers(int n_layers, int M, const int* dims, float eps, float scale, 
                     const int p = u / nh, h = u % nh, j = h / G;
                     const int end = u1 < p * nh + (j + 1) * G ? u1 : p * nh + (j + 1) * G;
                     const int last = part0[p] + partn[p] - 1;
-                    paged_kv kv = {kv_pools[4 * l], kv_pools[4 * l + 1], (float*)kv_pools[4 * l + 2],
-                                   (float*)kv_pools[4 * l + 3],
-                                   tables + (one_sequence ? 0 : (size_t)last * table_stride), dims[7], dims[8],
-                                   dims[9], tails && bases[last] >= 0 ? tails + (size_t)last * tail_stride : NULL,
-                                   tails ? bases[last] : 0};
+                    const paged_kv kv = row_kv(kv_pools, l, dims, tables, stride, tails, tail_stride, bases, last);
                     attend_rows(qkv, n_qkv, nh, nkv, cos_rows, sin_rows, pos, part0[p], partn[p], h - j * G,
                                 end - p * nh - j * G, &kv, scale, j, attn, scores, n_scores, (size_t)max_pos + 1);
                     u = end;
@@ -593,10 +598,7 @@ static int layers(int n_layers, int M, const int* dims, float eps, float scale, 
             } else {
                 for (int u = M * nh * t / T; u < M * nh * (t + 1) / T; u++) {
                     const int m = u / nh, h = u % nh;
-                    paged_kv kv = {kv_pools[4 * l], kv_pools[4 * l + 1], (float*)kv_pools[4 * l + 2],
-                                   (float*)kv_pools[4 * l + 3], tables + (one_sequence ? 0 : (size_t)m * table_stride),
-                                   dims[7], dims[8], dims[9], tails && bases[m] >= 0 ? tails + (size_t)m * tail_stride : NULL,
-                               tails ? bases[m] : 0};
+                    const paged_kv kv = row_kv(kv_pools, l, dims, tables, stride, tails, tail_stride, bases, m);
                     attend_head(qkv + (size_t)m * n_qkv, nh, nkv, hd, cos_rows[m], sin_rows[m], &kv, pos[m], scale,
                                 h, attn + ((size_t)m * nh + h) * hd,
                                 scores + (size_t)m * n_scores + (size_t)h * (max_pos + 1));

@@ -182,10 +182,10 @@ class NativeRunner:
     def keep_path(self, start: int, nodes: list[int]) -> None:
         """After `verify_tree` at position `start`: its nodes `nodes` (the root, then a path of accepted
         drafts) become positions start.. (their K/V copied there), and every other node leaves the cache."""
-        slots = self.blocks.slots(self.seq, start, start + max(nodes) + 1)
-        self.model.kv.copy_slots([slots[n] for n in nodes], slots[:len(nodes)])
+        from edge_runtime.engine.drafting import move_path
+
         tokens = [self.cached_ids[start + n] for n in nodes]
-        self.blocks.rewrite(self.seq, start, tokens)
+        move_path(self.blocks, self.model.kv, self.seq, start, nodes, tokens)
         self.cached_ids[start:start + len(nodes)] = tokens
         self.keep(start + len(nodes))
 
@@ -313,11 +313,10 @@ class NativeBackend(Backend):
         self.engine.blocks.reset_prefix_cache()
 
     def set_draft(self, name: str, k: int | None = None, allow_inexact: bool = False) -> None:
-        """Drafting in the engine's steps: "auto" (n-gram where the fused C step runs, else none), "none",
-        "ngram", "mtp" or "mtp-tree"; `k` fixes the draft length or tree size (default: the planner's choice).
-        "auto": where the fused C step runs, prompt lookup where it finds a span and otherwise the MTP heads'
-        draft trees where their measured gain pays for them (n-gram alone when no heads ship), else none.
-        Output is unchanged."""
+        """Drafting in the engine's steps: "auto", "none", "ngram", "mtp" or "mtp-tree"; `k` fixes the draft
+        length or tree size (default: the planner's choice). "auto": where the fused C step runs, prompt lookup
+        where it finds a span and otherwise the MTP heads' draft trees where their measured gain pays for them
+        (n-gram alone when no heads ship), else none. Output is unchanged."""
         from edge_runtime.spec.speculative import DRAFTERS
 
         if name not in DRAFTERS:

@@ -80,8 +80,7 @@ class BatchRunner:
             for i in group:
                 c = chunks[i]
                 if c.parents:  # a draft tree: node r at start + its depth, attending over its own path
-                    bs = model.kv.block_size
-                    slots = [c.block_table[p // bs] * bs + p % bs for p in range(c.start, c.start + c.num_rows)]
+                    slots = slot_tensor(c.block_table, c.start, c.start + c.num_rows, model.kv.block_size).tolist()
                     paths = tree_paths(c.parents, slots)
                     positions += [c.start + len(path) - 1 for path in paths]
                     tails += paths

@@ -44,14 +44,20 @@ def draft_children(drafts: list[int], parents: list[int] | None) -> list[dict[in
     return children
 
 
+def move_path(blocks, kv, seq_id, start: int, path: list[int], tokens: list[int]) -> None:
+    """A verified tree's accepted path (its nodes, the root first, computed at positions start + node) onto
+    positions start..: their K/V copied there (`PagedKVCache.copy_slots`) and the block manager told their
+    `tokens`; the caller then truncates what lies after, as for a rejected chain."""
+    slots = blocks.slots(seq_id, start, start + max(path) + 1)
+    kv.copy_slots([slots[n] for n in path], slots[:len(path)])
+    blocks.rewrite(seq_id, start, tokens)
+
+
 def keep_tree_path(blocks, kv, chunk, path: list[int]) -> None:
-    """A tree chunk's accepted path (rows, the root first) onto positions chunk.start..: its K/V copied
-    there and its tokens named; the chunk's drafts become the path's, so it updates as a chain would."""
-    seq_id, start = chunk.seq.seq_id, chunk.start
-    slots = blocks.slots(seq_id, start, start + chunk.num_rows)
-    kv.copy_slots([slots[r] for r in path], slots[:len(path)])
+    """A tree chunk's accepted path (rows, the root first) onto positions chunk.start..; the chunk's drafts
+    become the path's, so it updates as a chain would."""
     drafts = [chunk.drafts[r - 1] for r in path[1:]]
-    blocks.rewrite(seq_id, start + 1, drafts)
+    move_path(blocks, kv, chunk.seq.seq_id, chunk.start, path, chunk.token_ids[:1] + drafts)
     chunk.drafts, chunk.parents = drafts, None
 
 
