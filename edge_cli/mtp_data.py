@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import time
 
 import torch
 
@@ -189,7 +190,7 @@ def first_prompts(data: dict, n: int) -> dict:
 
 
 def build_shards(backend, out_dir: str, num_prompts: int | None = None, max_tokens: int = 160,
-                 temperatures: tuple = (0.0, 0.8), seed: int = 0, shard_jobs: int = 256, batch: int = 8,
+                 temperatures: tuple = (0.0, 0.8), seed: int = 0, shard_jobs: int = 256, batch: int = 16,
                  progress=print) -> dict:
     """Answers to the large set, in shards of `shard_jobs` answers (`shard-00000.pt` ...), for data at scale.
 
@@ -218,17 +219,21 @@ def build_shards(backend, out_dir: str, num_prompts: int | None = None, max_toke
         if os.path.exists(name):
             continue
         part = jobs[k * shard_jobs:(k + 1) * shard_jobs]
+        t0 = time.time()
         records = answer_jobs(backend, part, max_tokens, seed, batch, progress=None)
-        torch.save({"records": records, "jobs": [part[0][1], part[-1][1] + 1]}, name + ".tmp")
+        torch.save({"records": records, "jobs": [part[0][1], part[-1][1] + 1], "seconds": time.time() - t0},
+                   name + ".tmp")
         os.replace(name + ".tmp", name)
         progress(f"  shard {k + 1}/{shards}: {sum(len(r['tokens']) for r in records)} answer tokens")
     return {**settings, "shards": shards}
 
 
 def load_shards(out_dir: str) -> dict:
-    """Every shard in `out_dir` as one dataset (the records of the shards present, in job order)."""
+    """Every shard in `out_dir` as one dataset (the records of the shards present, in job order), with
+    `generation_seconds`: the time the shards took to make (summed over the runs that made them)."""
     with open(os.path.join(out_dir, "settings.json"), encoding="utf-8") as f:
         settings = json.load(f)
     names = sorted(n for n in os.listdir(out_dir) if n.startswith("shard-") and n.endswith(".pt"))
-    records = [r for n in names for r in torch.load(os.path.join(out_dir, n))["records"]]
-    return {**settings, "records": records, "shards_present": len(names)}
+    shards = [torch.load(os.path.join(out_dir, n)) for n in names]
+    return {**settings, "records": [r for s in shards for r in s["records"]], "shards_present": len(names),
+            "generation_seconds": sum(s.get("seconds", 0.0) for s in shards)}

@@ -130,28 +130,43 @@ def mlp_chain_accuracy(head, records: list[dict], backend) -> list[float]:
     return accuracy(head, emb_table, emb_table[head.vocab].contiguous(), h, toks, tgts)
 
 
-def compare_heads(data: dict, backend, args) -> dict:
-    """`train-mtp --arch attention`: trains the attention head on `data` and measures it and the shipped MLP
-    heads offline on MT-Bench's first turns (greedy, 128 tokens): chain accuracy per depth and tokens per
-    verification at k = 3. No drafter loads the attention head yet, so it is measured, not written."""
+def _mt_bench_and_shipped(backend, args) -> tuple[dict, list[dict], list[float] | None]:
+    """(the machine and commit, before anything is written; the model's MT-Bench answers; the shipped MLP
+    heads' chain accuracy on them, or None without heads)."""
     from edge_cli.bench.decode import machine
-    from edge_cli.mtp_data import first_prompts
     from edge_runtime.spec.mtp import MtpHead, find_heads
 
-    where = machine()  # the commit that runs, before anything is written
+    where = machine()
     bench = mt_bench_records(backend, n=args.mt_bench, path=args.mt_bench_cache)
     shipped = find_heads(backend)
     mlp = mlp_chain_accuracy(MtpHead.load(shipped)[0], bench, backend) if shipped else None
     if mlp:
         print(f"train-mtp: shipped MLP heads on MT-Bench: {[round(a, 3) for a in mlp]} "
               f"(k=3: {expected_accepted(mlp, 3):.3f} tokens per verification)")
-    curve = []
-    for n in sorted(args.curve or []) + [None]:  # smaller datasets first, the whole one last
+    return where, bench, mlp
+
+
+def _sizes(data: dict, curve: list[int] | None):
+    """The datasets of the curve: the answers to the first N prompts for each N of `curve`, smaller first, then
+    all of `data`; each with its answer-token count."""
+    from edge_cli.mtp_data import first_prompts
+
+    for n in sorted(curve or []) + [None]:
         part = data if n is None else first_prompts(data, n)
+        yield part, sum(len(r["tokens"]) for r in part["records"])
+
+
+def compare_heads(data: dict, backend, args) -> dict:
+    """`train-mtp --arch attention`: trains the attention head on `data` and measures it and the shipped MLP
+    heads offline on MT-Bench's first turns (greedy, 128 tokens): chain accuracy per depth and tokens per
+    verification at k = 3. No drafter loads the attention head yet, so it is measured, not written."""
+    where, bench, mlp = _mt_bench_and_shipped(backend, args)
+    curve = []
+    for part, tokens in _sizes(data, args.curve):
         head, report = train_attention(part["records"], backend, steps=args.depth, hidden=args.hidden,
                                        size=args.draft_vocab, epochs=args.epochs, seed=args.seed, held_out=bench)
         last = report["epochs"][-1]
-        curve.append({"prompts": part.get("prompts"), "train_answer_tokens": sum(len(r["tokens"]) for r in part["records"]),
+        curve.append({"prompts": part.get("prompts"), "train_answer_tokens": tokens,
                       "chain_accuracy": last["extra"], "expected_accepted_k3": expected_accepted(last["extra"], 3)})
     return {"benchmark": "mtp-heads-offline", "mt_bench_answers": len(bench), "curve": curve,
             "targets": {"mean_accepted_k3": 2.5},
@@ -161,3 +176,36 @@ def compare_heads(data: dict, backend, args) -> dict:
             "attention": {"chain_accuracy": last["extra"], "expected_accepted_k3": expected_accepted(last["extra"], 3),
                           "held_out_in_domain": last["held_out"], **report},
             "machine": where}
+
+
+def mlp_curve(data: dict, backend, args):
+    """`train-mtp --curve N1,N2 --json F` for the MLP heads: one head per data size (the answers to the first
+    N1, N2 ... prompts, then all of them), each measured offline on MT-Bench as `compare_heads` does, so the
+    curve of tokens per verification against training tokens shows what more data buys. Returns the last head
+    (trained on everything: the one `train-mtp` writes), its report (with its MT-Bench figures) and the figures."""
+    from edge_cli.train_mtp import train
+
+    where, bench, before = _mt_bench_and_shipped(backend, args)
+    curve = []
+    for part, tokens in _sizes(data, args.curve):
+        t0 = time.time()
+        head, report = train(part, backend, depth=args.depth, hidden=args.hidden, draft_vocab=args.draft_vocab,
+                             epochs=args.epochs, seed=args.seed)
+        acc = mlp_chain_accuracy(head, bench, backend)
+        curve.append({"prompts": part.get("prompts"), "train_answer_tokens": tokens,
+                      "train_seconds": round(time.time() - t0), "held_out_chain_accuracy": report["held_out_chain_accuracy"],
+                      "chain_accuracy": acc, "expected_accepted_k3": expected_accepted(acc, 3)})
+        print(f"train-mtp: {tokens} training tokens: MT-Bench chain accuracy {[round(a, 3) for a in acc]} "
+              f"(k=3: {expected_accepted(acc, 3):.3f} tokens per verification)")
+    report.update({"mt_bench_chain_accuracy": [round(a, 4) for a in acc],
+                   "mt_bench_expected_tokens_per_step_k3": round(expected_accepted(acc, 3), 4)})
+    seconds = data.get("generation_seconds")
+    generation = {"answers": len(data["records"]), "prompts": data.get("prompts"), "answer_tokens": curve[-1]["train_answer_tokens"],
+                  "temperatures": data.get("temperatures"), "max_tokens": data.get("max_tokens"), "seconds": seconds,
+                  "tokens_per_s": curve[-1]["train_answer_tokens"] / seconds if seconds else None}
+    figures = {"benchmark": "mtp-train-curve", "arch": "mlp", "generation": generation, "curve": curve,
+               "mt_bench_answers": len(bench), "mt_bench_answer_tokens": sum(len(r["tokens"]) for r in bench),
+               "mlp_shipped_before": {"chain_accuracy": before,
+                                      "expected_accepted_k3": expected_accepted(before, 3) if before else None},
+               "targets": {"mean_accepted_k3": 2.5}, "machine": where}
+    return head, report, figures

@@ -27,6 +27,7 @@ def test_shards_resume_where_they_stopped_and_refuse_other_settings(tmp_path, na
     assert made["shards"] == 3 and names == ["shard-00000.pt", "shard-00001.pt", "shard-00002.pt"]
     first = load_shards(folder)
     assert len(first["records"]) == 6 and first["shards_present"] == 3  # 3 prompts, greedy and sampled
+    assert first["generation_seconds"] > 0  # each shard's making time, summed
     for r in first["records"]:
         assert r["hidden"].shape == (len(r["tokens"]), 576) and 0 < len(r["tokens"]) <= 6
     for r in first["records"][:3]:  # the greedy answers come first: each token is the step's argmax

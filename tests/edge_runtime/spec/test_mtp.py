@@ -29,6 +29,30 @@ def test_train_mtp_writes_heads_that_load_and_draft(tmp_path, native_backend):
     assert rc == 0 and main(["train-mtp", "--data", str(data), "--epochs", "0"]) == 0  # cached answers reused
 
 
+def test_train_mtp_curve_measures_each_data_size_on_mt_bench_and_writes_the_last_head(tmp_path, native_backend):
+    import json
+
+    out, fig = tmp_path / "heads.safetensors", tmp_path / "curve.json"
+    rc = main(["train-mtp", "--prompt-set", "large", "--prompts", "4", "--max-tokens", "12", "--epochs", "1",
+               "--hidden", "64", "--draft-vocab", "256", "--data", str(tmp_path / "shards"), "--out", str(out),
+               "--json", str(fig), "--curve", "2", "--mt-bench", "2", "--mt-bench-cache", str(tmp_path / "mt.pt")])
+    d = json.loads(fig.read_text())
+    assert rc == 0 and d["arch"] == "mlp" and d["mt_bench_answers"] == 2
+    assert [c["prompts"] for c in d["curve"]] == [2, 4]
+    assert d["curve"][0]["train_answer_tokens"] < d["curve"][1]["train_answer_tokens"] == d["generation"]["answer_tokens"]
+    gen = d["generation"]
+    assert gen["answers"] == 8 and gen["seconds"] > 0
+    assert abs(gen["tokens_per_s"] - gen["answer_tokens"] / gen["seconds"]) < 1e-6
+    for c in d["curve"]:  # tokens per verification recomputed from the chain accuracy
+        acc = c["chain_accuracy"]
+        assert len(acc) == 4 and all(0 <= a <= 1 for a in acc) and c["train_seconds"] >= 0
+        assert abs(c["expected_accepted_k3"] - expected_accepted(acc, 3)) < 1e-9
+    head, meta = MtpHead.load(str(out))  # the last point's head, its MT-Bench figures in the metadata
+    training = json.loads(meta["training"])
+    assert training["mt_bench_chain_accuracy"] == [round(a, 4) for a in d["curve"][-1]["chain_accuracy"]]
+    assert torch.tensor(1e-40) * 1 != 0  # training flushed subnormals to zero; the flag is restored after
+
+
 def test_heads_of_another_model_are_not_found(tmp_path, native_backend, monkeypatch):
     import edge_runtime.spec.mtp as mtp
 
