@@ -14,7 +14,6 @@ Everything is seeded; the answers are cached in `--data` so training can be reru
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import random
@@ -192,20 +191,7 @@ def run_train_mtp(args) -> int:
     if args.epochs < 1:
         print("train-mtp: --epochs 0: the answers are cached, no training")
         return 0
-    with flush_denormals():
-        return _train_and_write(data, backend, args)
-
-
-@contextlib.contextmanager
-def flush_denormals():
-    """Subnormal floats read as zero while the heads train: as the heads sharpen, the softmax's tiny
-    probabilities are subnormal, and the output head's backward matrix product over them ran 30x slower
-    than the forward one here (one training step 9x slower). Restored afterwards."""
-    torch.set_flush_denormal(True)
-    try:
-        yield
-    finally:
-        torch.set_flush_denormal(False)
+    return _train_and_write(data, backend, args)
 
 
 def _train_and_write(data: dict, backend, args) -> int:
