@@ -16,7 +16,7 @@ from edge_cli.bench.figures_engine import SPEC_KEYS
 BUILDERS = {**figures_engine.BUILDERS, **figures_serving.BUILDERS}
 # The order of the page: the README's Benchmarks section.
 KINDS = ["decode", "perplexity", "kv", "attention", "batching", "batching-draft", "hybrid", "cache", "serve", "spec",
-         "mtp-heads"]
+         "mtp-heads", "mtp-curve"]
 POOLED = {"perplexity"}  # kinds whose files make one section between them
 assert set(KINDS) == set(BUILDERS)
 
@@ -45,6 +45,8 @@ def recognise(d) -> str | None:
         return "cache"
     if isinstance(d.get("mlp_shipped"), dict) and isinstance(d.get("attention"), dict):
         return "mtp-heads"
+    if isinstance(d.get("generation"), dict) and isinstance(d.get("curve"), list) and d.get("arch") == "mlp":
+        return "mtp-curve"
     if _isnum(d.get("ppl")) and isinstance(d.get("backend"), str):
         return "perplexity"
     return None

@@ -275,5 +275,30 @@ def _mtp_heads(d):
             "accepts, so tokens per verification follow without running a drafter.", rows, fig)
 
 
+def _mtp_curve(d):
+    """`train-mtp --curve N1,N2 --json` (MLP heads): a head per data size, measured offline on MT-Bench."""
+    curve = sorted(d.get("curve") or [], key=lambda c: c["train_answer_tokens"])
+    gen, before, target = d.get("generation") or {}, d.get("mlp_shipped_before") or {}, _target(d, "mean_accepted_k3")
+    fig, axs = _fig(1, f"MLP draft heads by training data, offline on {d.get('mt_bench_answers', '?')} MT-Bench "
+                       f"answers ({_num(d.get('mt_bench_answer_tokens'))} tokens)")
+    axs[0].plot([c["train_answer_tokens"] for c in curve], [c["expected_accepted_k3"] for c in curve], "o-",
+                color=OURS, label="MLP heads")
+    axs[0].set_xscale("log")
+    axs[0].set_xlabel("answer tokens trained on")
+    axs[0].set_ylabel("tokens per verification, k = 3")
+    axs[0].grid(alpha=0.3)
+    _hline(axs[0], before.get("expected_accepted_k3"), "heads shipped before this run", ls=":")
+    _hline(axs[0], target, f"target >= {_num(target)}")
+    rows = [_row("self-distilled answer tokens generated (time, rate)", _num(gen.get("answer_tokens")),
+                 f"{_num(gen.get('seconds'))} s, {_num(gen.get('tokens_per_s'))} tok/s")]
+    rows += [_row(f"MLP heads trained on {_num(c['train_answer_tokens'])} answer tokens ({c.get('train_seconds')} s): "
+                  f"k = 3", _num(c["expected_accepted_k3"]), ", ".join(_pct(a) for a in c["chain_accuracy"]),
+                  None, "", target, ">=", c["expected_accepted_k3"]) for c in curve]
+    rows.append(_row("heads shipped before this run: k = 3", _num(before.get("expected_accepted_k3"))))
+    return ("train-mtp: MLP draft heads by training data", "Tokens per verification at k = 3 against the answer "
+            "tokens the heads were trained on, each head measured offline as in the attention head's figures "
+            "(chain accuracy per depth on the model's own greedy MT-Bench answers).", rows, fig)
+
+
 BUILDERS = {"decode": _decode, "perplexity": _perplexity, "kv": _kv, "attention": _attention, "spec": _spec,
-            "mtp-heads": _mtp_heads}
+            "mtp-heads": _mtp_heads, "mtp-curve": _mtp_curve}

@@ -174,3 +174,22 @@ def test_the_draft_heads_figures_follow_from_their_chain_accuracy(committed):
     assert d["curve"][-1]["chain_accuracy"] == d["attention"]["chain_accuracy"]
     assert any(s.kind == "mtp-heads" for s in sections)
     assert f"{d['attention']['expected_accepted_k3']:.3g}" in page
+
+
+def test_the_mlp_heads_curve_follows_from_its_chain_accuracy(committed):
+    """bench-results/mtp-train-curve.json (`train-mtp --prompt-set large --curve ... --json`): every
+    tokens-per-verification figure is recomputed from its chain accuracy, the generation rate from its tokens
+    and time, the curve has at least three points ending at all the data, and the page shows it."""
+    from edge_cli.train_mtp import expected_accepted
+
+    page, sections, _ = committed
+    d = _json("mtp-train-curve.json")
+    for h in (*d["curve"], d["mlp_shipped_before"]):
+        assert len(h["chain_accuracy"]) == 4 and all(0 <= a <= 1 for a in h["chain_accuracy"])
+        assert h["expected_accepted_k3"] == pytest.approx(expected_accepted(h["chain_accuracy"], 3), abs=1e-9)
+    tokens = [c["train_answer_tokens"] for c in d["curve"]]
+    gen = d["generation"]
+    assert len(tokens) >= 3 and tokens == sorted(tokens) and tokens[-1] == gen["answer_tokens"]
+    assert gen["tokens_per_s"] == pytest.approx(gen["answer_tokens"] / gen["seconds"])
+    assert any(s.kind == "mtp-curve" for s in sections)
+    assert f"{d['curve'][-1]['expected_accepted_k3']:.3g}" in page
