@@ -121,7 +121,7 @@ def test_every_kind_is_recognised_by_its_keys():
     assert kinds == {"run-a.json": "decode", "run-b.json": "kv", "run-c.json": "attention", "run-d.json": "batching",
                      "run-e.json": "batching", "run-f.json": "hybrid", "run-g.json": "spec", "other.json": None}
     assert set(KINDS) == {"decode", "perplexity", "kv", "attention", "batching", "batching-draft", "hybrid", "cache",
-                          "serve", "spec", "mtp-heads"}
+                          "serve", "spec", "mtp-heads", "mtp-curve"}
     assert recognise([1, 2]) is None and recognise({"mtp.mean_accepted": 2.1}) == "spec"
 
 
