@@ -191,10 +191,6 @@ def run_train_mtp(args) -> int:
     if args.epochs < 1:
         print("train-mtp: --epochs 0: the answers are cached, no training")
         return 0
-    return _train_and_write(data, backend, args)
-
-
-def _train_and_write(data: dict, backend, args) -> int:
     from edge_cli.bench.decode import print_and_save
 
     if args.arch == "attention":
