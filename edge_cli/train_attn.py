@@ -17,7 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from edge_cli.train_mtp import draft_index, draft_vocabulary, embedding_table, expected_accepted
+from edge_cli.train_mtp import draft_index, draft_vocabulary, embedding_table, expected_accepted, trainable
 from edge_runtime.spec.attn_head import AttnDraftHead
 
 
@@ -55,7 +55,7 @@ def chain_accuracy(head: AttnDraftHead, records: list[dict], emb_table, head_row
             preds = torch.stack([(o @ head_rows.T).argmax(-1) for o in head.chain(h, emb, valid, steps)], dim=-1)
             alive = valid.clone()
             for j in range(steps):
-                alive &= tgt[..., j] >= 0
+                alive &= tgt[..., j] != -100  # a target outside the draft vocabulary stays: a miss
                 seen[j] += alive.sum()
                 alive &= preds[..., j] == tgt[..., j]
                 right[j] += alive.sum()
@@ -86,7 +86,7 @@ def train_attention(records: list[dict], backend, steps: int = 4, hidden: int = 
         for s in range(0, len(order), batch):
             h, emb, valid, tgt = batch_of([train_recs[i] for i in order[s:s + batch]], emb_table, index, steps)
             outs = head.chain(h, emb, valid, steps)
-            loss = sum(w * F.cross_entropy((o @ head_rows.T).flatten(0, 1), tgt[..., j].flatten(), ignore_index=-100)
+            loss = sum(w * F.cross_entropy((o @ head_rows.T).flatten(0, 1), trainable(tgt[..., j]).flatten(), ignore_index=-100)
                        for j, (w, o) in enumerate(zip(weights, outs)))
             opt.zero_grad()
             loss.backward()
@@ -130,19 +130,40 @@ def mlp_chain_accuracy(head, records: list[dict], backend) -> list[float]:
     return accuracy(head, emb_table, emb_table[head.vocab].contiguous(), h, toks, tgts)
 
 
-def _mt_bench_and_shipped(backend, args) -> tuple[dict, list[dict], list[float] | None]:
+MT_BENCH_TOKENS = 128  # the MT-Bench answers' length, as `bench spec --spec-tokens` by default
+
+
+def mlp_figures(head, records: list[dict], backend) -> dict:
+    """An MLP head on greedy answers: the replayed verification at k = 3 through the drafter `--draft mtp`
+    runs (exact: what `bench spec` measures), the chain accuracy per depth over every position, and the
+    tokens per verification that accuracy would give if positions were alike (`expected_accepted_k3`)."""
+    from edge_cli.mtp_eval import drafter_walk
+    from edge_runtime.spec.mtp import MtpDrafter
+
+    acc = mlp_chain_accuracy(head, records, backend)
+    w = drafter_walk(MtpDrafter(head, backend.model.embedding), records, 3, MT_BENCH_TOKENS)
+    return {"mean_accepted_k3": w["mean_accepted"], "acceptance_per_position": w["acceptance_per_position"],
+            "verify_steps": w["verify_steps"], "chain_accuracy": acc, "expected_accepted_k3": expected_accepted(acc, 3)}
+
+
+def _say(name: str, f: dict) -> None:
+    print(f"train-mtp: {name} on MT-Bench: {f['mean_accepted_k3']:.3f} tokens per verification at k = 3 "
+          f"(acceptance by position {[round(a, 3) for a in f['acceptance_per_position']]}; chain accuracy "
+          f"{[round(a, 3) for a in f['chain_accuracy']]})")
+
+
+def _mt_bench_and_shipped(backend, args) -> tuple[dict, list[dict], dict]:
     """(the machine and commit, before anything is written; the model's MT-Bench answers; the shipped MLP
-    heads' chain accuracy on them, or None without heads)."""
+    heads' figures on them, empty without heads)."""
     from edge_cli.bench.decode import machine
     from edge_runtime.spec.mtp import MtpHead, find_heads
 
     where = machine()
-    bench = mt_bench_records(backend, n=args.mt_bench, path=args.mt_bench_cache)
+    bench = mt_bench_records(backend, n=args.mt_bench, max_tokens=MT_BENCH_TOKENS, path=args.mt_bench_cache)
     shipped = find_heads(backend)
-    mlp = mlp_chain_accuracy(MtpHead.load(shipped)[0], bench, backend) if shipped else None
+    mlp = mlp_figures(MtpHead.load(shipped)[0], bench, backend) if shipped else {}
     if mlp:
-        print(f"train-mtp: shipped MLP heads on MT-Bench: {[round(a, 3) for a in mlp]} "
-              f"(k=3: {expected_accepted(mlp, 3):.3f} tokens per verification)")
+        _say("the shipped MLP heads", mlp)
     return where, bench, mlp
 
 
@@ -158,22 +179,27 @@ def _sizes(data: dict, curve: list[int] | None):
 
 def compare_heads(data: dict, backend, args) -> dict:
     """`train-mtp --arch attention`: trains the attention head on `data` and measures it and the shipped MLP
-    heads offline on MT-Bench's first turns (greedy, 128 tokens): chain accuracy per depth and tokens per
-    verification at k = 3. No drafter loads the attention head yet, so it is measured, not written."""
+    heads offline on MT-Bench's first turns (greedy, 128 tokens): verification replayed at k = 3, chain
+    accuracy per depth. No drafter loads the attention head yet, so it is measured, not written."""
+    from edge_cli.mtp_eval import attention_walk
+
     where, bench, mlp = _mt_bench_and_shipped(backend, args)
+    emb_table = embedding_table(backend)
     curve = []
     for part, tokens in _sizes(data, args.curve):
         head, report = train_attention(part["records"], backend, steps=args.depth, hidden=args.hidden,
                                        size=args.draft_vocab, epochs=args.epochs, seed=args.seed, held_out=bench)
         last = report["epochs"][-1]
-        curve.append({"prompts": part.get("prompts"), "train_answer_tokens": tokens,
-                      "chain_accuracy": last["extra"], "expected_accepted_k3": expected_accepted(last["extra"], 3)})
+        w = attention_walk(head, bench, emb_table, 3, MT_BENCH_TOKENS)
+        curve.append({"prompts": part.get("prompts"), "train_answer_tokens": tokens, "chain_accuracy": last["extra"],
+                      "expected_accepted_k3": expected_accepted(last["extra"], 3), "mean_accepted_k3": w["mean_accepted"],
+                      "acceptance_per_position": w["acceptance_per_position"]})
     return {"benchmark": "mtp-heads-offline", "mt_bench_answers": len(bench), "curve": curve,
             "targets": {"mean_accepted_k3": 2.5},
             "mt_bench_answer_tokens": sum(len(r["tokens"]) for r in bench),
-            "train_answer_tokens": sum(len(r["tokens"]) for r in data["records"]),
-            "mlp_shipped": {"chain_accuracy": mlp, "expected_accepted_k3": expected_accepted(mlp, 3) if mlp else None},
-            "attention": {"chain_accuracy": last["extra"], "expected_accepted_k3": expected_accepted(last["extra"], 3),
+            "train_answer_tokens": sum(len(r["tokens"]) for r in data["records"]), "mlp_shipped": mlp,
+            "attention": {**{k: curve[-1][k] for k in ("chain_accuracy", "expected_accepted_k3", "mean_accepted_k3",
+                                                       "acceptance_per_position")},
                           "held_out_in_domain": last["held_out"], **report},
             "machine": where}
 
@@ -191,21 +217,20 @@ def mlp_curve(data: dict, backend, args):
         t0 = time.time()
         head, report = train(part, backend, depth=args.depth, hidden=args.hidden, draft_vocab=args.draft_vocab,
                              epochs=args.epochs, seed=args.seed)
-        acc = mlp_chain_accuracy(head, bench, backend)
-        curve.append({"prompts": part.get("prompts"), "train_answer_tokens": tokens,
-                      "train_seconds": round(time.time() - t0), "held_out_chain_accuracy": report["held_out_chain_accuracy"],
-                      "chain_accuracy": acc, "expected_accepted_k3": expected_accepted(acc, 3)})
-        print(f"train-mtp: {tokens} training tokens: MT-Bench chain accuracy {[round(a, 3) for a in acc]} "
-              f"(k=3: {expected_accepted(acc, 3):.3f} tokens per verification)")
-    report.update({"mt_bench_chain_accuracy": [round(a, 4) for a in acc],
-                   "mt_bench_expected_tokens_per_step_k3": round(expected_accepted(acc, 3), 4)})
+        seconds = round(time.time() - t0)
+        f = mlp_figures(head, bench, backend)
+        curve.append({"prompts": part.get("prompts"), "train_answer_tokens": tokens, "train_seconds": seconds,
+                      "held_out_chain_accuracy": report["held_out_chain_accuracy"], **f})
+        _say(f"the heads trained on {tokens} tokens", f)
+    report.update({"mt_bench_chain_accuracy": [round(a, 4) for a in f["chain_accuracy"]],
+                   "mt_bench_tokens_per_verification_k3": round(f["mean_accepted_k3"], 4),
+                   "mt_bench_acceptance_per_position_k3": [round(a, 4) for a in f["acceptance_per_position"]]})
     seconds = data.get("generation_seconds")
     generation = {"answers": len(data["records"]), "prompts": data.get("prompts"), "answer_tokens": curve[-1]["train_answer_tokens"],
                   "temperatures": data.get("temperatures"), "max_tokens": data.get("max_tokens"), "seconds": seconds,
                   "tokens_per_s": curve[-1]["train_answer_tokens"] / seconds if seconds else None}
     figures = {"benchmark": "mtp-train-curve", "arch": "mlp", "generation": generation, "curve": curve,
                "mt_bench_answers": len(bench), "mt_bench_answer_tokens": sum(len(r["tokens"]) for r in bench),
-               "mlp_shipped_before": {"chain_accuracy": before,
-                                      "expected_accepted_k3": expected_accepted(before, 3) if before else None},
+               "mlp_shipped_before": before,
                "targets": {"mean_accepted_k3": 2.5}, "machine": where}
     return head, report, figures

@@ -29,7 +29,8 @@ SMALL_DATA = os.path.join(".cache", "mtp-data.pt")
 
 
 def examples(records: list[dict], depth: int, vocab_index: torch.Tensor):
-    """H [N, dim] fp32, tokens [N, depth] (chain inputs), targets [N, depth] (draft-vocab index or -100)."""
+    """H [N, dim] fp32, tokens [N, depth] (chain inputs), targets [N, depth] (draft-vocab index, OUTSIDE, or
+    -100 past the answer's end)."""
     hs, toks, tgts = [], [], []
     for r in records:
         n = len(r["tokens"])
@@ -55,7 +56,8 @@ def chain_logits(head: MtpHead, emb_table: torch.Tensor, head_rows: torch.Tensor
 
 def accuracy(head, emb_table, head_rows, h, toks, tgts, batch: int = 1024) -> list[float]:
     """Per depth: the share of positions whose draft equals the model's argmax, among positions
-    where every earlier draft of the chain was right too (what verification accepts)."""
+    where every earlier draft of the chain was right too (what verification accepts); a target outside
+    the draft vocabulary is a miss (the head cannot draft it)."""
     depth = toks.shape[1]
     right = torch.zeros(depth)
     seen = torch.zeros(depth)
@@ -65,7 +67,7 @@ def accuracy(head, emb_table, head_rows, h, toks, tgts, batch: int = 1024) -> li
             t = tgts[s:s + batch]
             alive = torch.ones(len(t), dtype=torch.bool)
             for j in range(depth):
-                alive &= t[:, j] >= 0
+                alive &= t[:, j] != -100
                 seen[j] += alive.sum()
                 alive &= pred[:, j] == t[:, j]
                 right[j] += alive.sum()
@@ -82,8 +84,11 @@ def draft_vocabulary(records: list[dict], vocab_size: int, size: int) -> tuple[t
     return vocab, draft_index(vocab, vocab_size), float(counts[vocab].sum() / counts.sum())
 
 
+OUTSIDE = -1  # a target outside the draft vocabulary: never drafted, so a miss (-100: no target, past the end)
+
+
 def draft_index(vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    index = torch.full((vocab_size,), -100, dtype=torch.long)
+    index = torch.full((vocab_size,), OUTSIDE, dtype=torch.long)
     index[vocab] = torch.arange(len(vocab))
     return index
 
@@ -93,6 +98,11 @@ def embedding_table(backend) -> torch.Tensor:
     """The base model's token embeddings [vocab, dim], fp32 (its tied output head)."""
     n = backend.model.cfg.vocab_size
     return backend.model.embedding(torch.arange(n)).float().reshape(n, -1).clone()
+
+
+def trainable(targets: torch.Tensor) -> torch.Tensor:
+    """Targets for the loss: those outside the draft vocabulary cannot be learnt, so they are left out."""
+    return targets.masked_fill(targets == OUTSIDE, -100)
 
 
 def expected_accepted(acc: list[float], k: int) -> float:
@@ -132,7 +142,7 @@ def train(data: dict, backend, depth: int = 4, hidden: int = 1024, draft_vocab: 
         for s in range(0, len(h), batch):
             idx = order[s:s + batch]
             logits = chain_logits(head, emb_table, head_rows, h[idx], toks[idx])
-            loss = sum(weights[j] * F.cross_entropy(logits[:, j], tgts[idx, j], ignore_index=-100)
+            loss = sum(weights[j] * F.cross_entropy(logits[:, j], trainable(tgts[idx, j]), ignore_index=-100)
                        for j in range(depth))
             opt.zero_grad()
             loss.backward()
@@ -157,6 +167,15 @@ def train(data: dict, backend, depth: int = 4, hidden: int = 1024, draft_vocab: 
     return head.eval(), report
 
 
+def large_folder(prompts: int) -> str:
+    """The large set's default shard folder: in the per-user cache (~/.cache/edge-runtime or
+    $EDGE_RUNTIME_CACHE), not the checkout, so a fresh checkout on the same machine goes on where the last
+    run stopped; one folder per prompt count (a folder's shards are answers to one job list)."""
+    from kernels.compile_cache import cache_root
+
+    return os.path.join(cache_root(), f"mtp-large-{prompts or 'all'}")
+
+
 def run_train_mtp(args) -> int:
     from edge_runtime.backends.native import NativeBackend
     from edge_cli.mtp_data import build_dataset, build_shards, first_prompts, load_shards
@@ -172,7 +191,7 @@ def run_train_mtp(args) -> int:
     backend = NativeBackend(model=args.model, threads=args.threads, n_ctx=1024, kv_budget="1GiB")
     temps = tuple(float(t) for t in args.temperatures.split(","))
     if args.prompt_set == "large":  # shards in a folder, resumable
-        folder = args.data or os.path.join(".cache", "mtp-large")
+        folder = args.data or large_folder(args.prompts)
         print(f"train-mtp: the model answers the large prompt set into {folder} (shards already there are kept)")
         build_shards(backend, folder, args.prompts or None, args.max_tokens, temps, seed=args.seed)
         data = load_shards(folder)
@@ -225,7 +244,7 @@ def add_train_mtp_parser(sub) -> None:
     t.add_argument("--max-tokens", type=int, default=160, help="tokens per answer")
     t.add_argument("--data", default=None,
                    help="cache of the answers and hidden states, reused when it exists (default: .cache/mtp-data.pt; "
-                        "with --prompt-set large a folder, .cache/mtp-large)")
+                        "with --prompt-set large a folder, ~/.cache/edge-runtime/mtp-large-N for --prompts N)")
     t.add_argument("--depth", type=int, default=4, help="drafts the head learns to chain")
     t.add_argument("--hidden", type=int, default=1024, help="the head's MLP width")
     t.add_argument("--draft-vocab", type=int, default=4096, help="tokens the head can draft")

@@ -10,7 +10,10 @@ native plain, native MTP at a fixed k = `--draft-k` (acceptance figures), native
 adaptive draft length (what `--draft mtp` gives), draft trees of a fixed `--tree-size` drafts (tree
 acceptance figures) and of the adaptive size (what `--draft mtp-tree` gives; MT-Bench only), n-gram
 on both engines, `--draft auto` (the default: n-gram, else trees where they pay), and llama.cpp plain
-on the same GGUF with the same threads. Decode speed is generated tokens after the first over
+on the same GGUF with the same threads, in a worker process of its own (`LlamaWorker`: in this
+process llama.cpp's OpenMP threads would share libgomp with the native engine's, whose second thread
+pool puts libgomp's spin-waits into their throttled, near-passive mode: llama.cpp then decodes 3-4x
+slower than it does for its users, alone). Decode speed is generated tokens after the first over
 the time after the first token, summed over prompts. Every drafted run's tokens are compared
 with the plain run's of the same engine: `identical` must be true for the native engine
 (`lossless`). llama.cpp's n-gram row is measured but not offered to users: its batched rows
@@ -80,6 +83,7 @@ class Tally:
                 self.pos_proposed[i] += d["pos_proposed"][i]
                 self.pos_accepted[i] += d["pos_accepted"][i]
         self.ids.append(result.token_ids)
+        self.last = result
 
     def summary(self, reference: "Tally | None" = None) -> dict:
         out = {"tok_s": round(self.tokens / self.seconds, 2) if self.seconds else 0.0, "tokens": int(self.tokens)}
@@ -102,14 +106,86 @@ def _run(backend, draft: str, k: int | None, prompt: str, max_tokens: int, tally
     tally.add(backend.generate(req))
 
 
-def run_spec_bench(args) -> int:
+class LlamaWorker:
+    """llama.cpp's rows, generated in a process of its own that lives for the whole run; the prompts go
+    one at a time (a JSON line in, the result's figures and token ids back), so they still run between
+    the native engine's rows of the same prompt while this process waits."""
+
+    def __init__(self, model: str | None, threads: int):
+        import subprocess
+        import sys
+
+        self.proc = subprocess.Popen([sys.executable, "-m", "edge_cli.bench.spec", "llama-worker", model or "",
+                                      str(threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+    def generate(self, draft: str, prompt: str, max_tokens: int):
+        from types import SimpleNamespace
+
+        self.proc.stdin.write(json.dumps({"draft": draft, "prompt": prompt, "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise EdgeRuntimeError(f"bench spec: the llama.cpp worker exited (code {self.proc.wait()})")
+        out = json.loads(line)
+        if "error" in out:
+            raise EdgeRuntimeError(f"bench spec: the llama.cpp worker: {out['error']}")
+        return SimpleNamespace(timings=out["timings"], token_ids=out["token_ids"],
+                               usage=SimpleNamespace(completion_tokens=out["completion_tokens"]))
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def _llama_worker(model: str, threads: int) -> None:
+    """The worker's side of `LlamaWorker`: answers JSON lines on stdin with JSON lines on the stdout it
+    started with (llama.cpp's own messages go to stderr)."""
+    import sys
+
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
     from edge_runtime.backends.llama_cpp import LlamaCppBackend
+
+    llama = LlamaCppBackend(model=model or None, threads=threads)
+    for line in sys.stdin:
+        job = json.loads(line)
+        try:
+            t = Tally()
+            _run(llama, job["draft"], None, job["prompt"], job["max_tokens"], t)
+        except EdgeRuntimeError as e:
+            out.write(json.dumps({"error": str(e)}) + "\n")
+        else:
+            r = t.last
+            out.write(json.dumps({"timings": r.timings, "token_ids": r.token_ids,
+                                  "completion_tokens": r.usage.completion_tokens}) + "\n")
+        out.flush()
+
+
+class _Rows:
+    """`_run`'s backend interface over a `LlamaWorker`."""
+
+    def __init__(self, worker: LlamaWorker):
+        self.worker, self.draft = worker, "none"
+
+    def reset_prefix_cache(self) -> None:  # the worker resets its own before every prompt
+        pass
+
+    def set_draft(self, draft, k=None, allow_inexact=False) -> None:
+        self.draft = draft
+
+    def generate(self, req):
+        return self.worker.generate(self.draft, req.messages[0]["content"], req.params.max_tokens)
+
+
+def run_spec_bench(args) -> int:
     from edge_runtime.backends.native import NativeBackend
     from edge_runtime.spec.mtp import find_heads
 
     questions, grounded = mt_bench_prompts(args.questions), grounded_prompts(args.grounded)  # before any model
     native = NativeBackend(model=args.model, threads=args.threads)
-    llama = LlamaCppBackend(model=args.model, threads=args.threads or native_threads())
+    worker = LlamaWorker(args.model, args.threads or native_threads())
+    llama = _Rows(worker)
     has_mtp = find_heads(native) is not None
     n_tok, k, tree = args.spec_tokens, args.draft_k, args.tree_size
     mt = {name: Tally() for name in ("plain", "mtp_k", "mtp", "tree_k", "tree", "ngram", "auto", "llama_plain")}
@@ -135,11 +211,13 @@ def run_spec_bench(args) -> int:
         _run(llama, "none", None, p, n_tok, gr["llama_plain"])
         _run(llama, "ngram", None, p, n_tok, gr["llama_ngram"])
         print(f"  grounded {i + 1}/{len(grounded)} ({time.time() - t0:.0f} s)", flush=True)
+    worker.close()
     plain, lplain = mt["plain"].summary(), mt["llama_plain"].summary()
     gplain, glplain = gr["plain"].summary(), gr["llama_plain"].summary()
     res = {
         "workloads": {"mt_bench_first_turns": len(questions), "grounded": len(grounded), "max_tokens": n_tok,
-                      "greedy": True, "threads": args.threads or native_threads(), "draft_k": k, "tree_size": tree},
+                      "greedy": True, "threads": args.threads or native_threads(), "draft_k": k, "tree_size": tree,
+                      "llama_cpp": "in a worker process of its own, prompts interleaved with the native rows"},
         "targets": {"mtp.mean_accepted": 2.5, "mtp.tree_mean_accepted": 3.0, "mtp.speedup_over_plain": 1.6,
                     "mtp.speedup_over_llama_cpp": 2.0, "ngram.speedup_over_plain_grounded": 2.0},
         "mt_bench": {"native_plain": plain, "llama_cpp_plain": lplain,
@@ -191,3 +269,10 @@ def native_threads() -> int:
     import torch
 
     return torch.get_num_threads()
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:2] == ["llama-worker"]:
+        _llama_worker(sys.argv[2], int(sys.argv[3]))

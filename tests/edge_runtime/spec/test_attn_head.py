@@ -82,4 +82,10 @@ def test_train_mtp_arch_attention_measures_both_heads_on_mt_bench(tmp_path, nati
         acc = h["chain_accuracy"]
         assert len(acc) == 4 and all(0 <= a <= 1 for a in acc)
         assert abs(h["expected_accepted_k3"] - (1 + acc[0] + acc[0] * acc[1] + acc[0] * acc[1] * acc[2])) < 1e-9
+        assert 1.0 <= h["mean_accepted_k3"] <= 4.0 and len(h["acceptance_per_position"]) == 3
+    from edge_cli.mtp_eval import drafter_walk  # the shipped heads' replay recomputed
+    from edge_runtime.spec.mtp import MtpDrafter
+
+    walked = drafter_walk(MtpDrafter.for_backend(native_backend), __import__("torch").load(cache), 3, 128)
+    assert d["mlp_shipped"]["mean_accepted_k3"] == walked["mean_accepted"]
     assert d["machine"]["cpu_model"]

@@ -50,6 +50,13 @@ def test_train_mtp_curve_measures_each_data_size_on_mt_bench_and_writes_the_last
     head, meta = MtpHead.load(str(out))  # the last point's head, its MT-Bench figures in the metadata
     training = json.loads(meta["training"])
     assert training["mt_bench_chain_accuracy"] == [round(a, 4) for a in d["curve"][-1]["chain_accuracy"]]
+    # the replayed verification recomputed from the written head and the cached MT-Bench answers
+    from edge_cli.mtp_eval import drafter_walk
+
+    walked = drafter_walk(MtpDrafter(head, native_backend.model.embedding), torch.load(tmp_path / "mt.pt"), 3, 128)
+    assert d["curve"][-1]["mean_accepted_k3"] == walked["mean_accepted"] >= 1.0
+    assert d["curve"][-1]["acceptance_per_position"] == walked["acceptance_per_position"]
+    assert training["mt_bench_tokens_per_verification_k3"] == round(walked["mean_accepted"], 4)
 
 
 def test_heads_of_another_model_are_not_found(tmp_path, native_backend, monkeypatch):

@@ -1,0 +1,34 @@
+"""The offline replay of greedy verification (`edge_cli.mtp_eval`) against the engine's own drafting."""
+import pytest
+
+from edge_cli.bench.spec import Tally, _run, mt_bench_prompts
+from edge_cli.mtp_eval import drafter_walk, summary, walk
+from edge_cli.train_attn import mt_bench_records
+
+
+def test_walk_counts_what_verification_accepts():
+    tokens = list(range(10))
+    right = lambda i, m: tokens[i + 1:i + 1 + m]  # noqa: E731 - always right: k drafts + the bonus per step
+    assert walk(tokens, right, 3) == (2, 6, [2, 2, 2], [2, 2, 2])  # 0 -> 4 -> 8, then a plain step to 9
+    wrong = lambda i, m: [-1] * m  # noqa: E731 - never right: every step gives the bonus alone
+    steps, acc, pos, prop = walk(tokens, wrong, 2)
+    assert (steps, acc, pos) == (8, 0, [0, 0]) and prop == [8, 7]  # the last token is a plain step
+    s = summary([walk(tokens, right, 3), (8, 0, [0, 0, 0], [8, 8, 7])])
+    assert s["verify_steps"] == 10 and s["mean_accepted"] == pytest.approx(1 + 6 / 10)
+    assert s["acceptance_per_position"] == pytest.approx([2 / 10, 2 / 10, 2 / 9])
+
+
+def test_walk_replays_the_engines_mtp_drafting_exactly(native_backend, tmp_path):
+    """The shipped heads on 4 MT-Bench answers: the replay's verifications and accepted drafts per position
+    are the engine's own, answer by answer (greedy, k = 3, 64 tokens)."""
+    from edge_runtime.spec.mtp import MtpDrafter
+
+    records = mt_bench_records(native_backend, n=4, max_tokens=64)
+    drafter = MtpDrafter.for_backend(native_backend)
+    for r, q in zip(records, mt_bench_prompts(4)):
+        t = Tally()
+        _run(native_backend, "mtp", 3, q, 64, t)
+        assert t.ids[0] == r["tokens"].tolist()  # lossless: the same answer
+        steps, acc, pos, prop = walk(t.ids[0], lambda i, m: drafter.propose_from(r["hidden"][i], t.ids[0][i], m), 3, 64)
+        assert (steps, acc, pos, prop) == (t.verify_steps, t.accepted, t.pos_accepted[:3], t.pos_proposed[:3])
+    assert drafter_walk(drafter, records, 3, 64)["verify_steps"] > 0
