@@ -194,6 +194,7 @@ def compare_heads(data: dict, backend, args) -> dict:
         curve.append({"prompts": part.get("prompts"), "train_answer_tokens": tokens, "chain_accuracy": last["extra"],
                       "expected_accepted_k3": expected_accepted(last["extra"], 3), "mean_accepted_k3": w["mean_accepted"],
                       "acceptance_per_position": w["acceptance_per_position"]})
+        _say(f"the attention head trained on {tokens} tokens", curve[-1])
     return {"benchmark": "mtp-heads-offline", "mt_bench_answers": len(bench), "curve": curve,
             "targets": {"mean_accepted_k3": 2.5},
             "mt_bench_answer_tokens": sum(len(r["tokens"]) for r in bench),
