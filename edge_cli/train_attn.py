@@ -188,7 +188,8 @@ def compare_heads(data: dict, backend, args) -> dict:
     curve = []
     for part, tokens in _sizes(data, args.curve):
         head, report = train_attention(part["records"], backend, steps=args.depth, hidden=args.hidden,
-                                       size=args.draft_vocab, epochs=args.epochs, seed=args.seed, held_out=bench)
+                                       size=args.draft_vocab, epochs=args.epochs, seed=args.seed, held_out=bench,
+                                       batch=args.answers_per_step or 8)
         last = report["epochs"][-1]
         w = attention_walk(head, bench, emb_table, 3, MT_BENCH_TOKENS)
         curve.append({"prompts": part.get("prompts"), "train_answer_tokens": tokens, "chain_accuracy": last["extra"],

@@ -183,6 +183,11 @@ def run_train_mtp(args) -> int:
     if args.arch == "attention" and args.out:
         raise EdgeRuntimeError("train-mtp: --out does not apply to --arch attention (no drafter loads that head yet; "
                                "its figures go to --json)")
+    if args.arch == "mlp" and args.answers_per_step is not None:
+        raise EdgeRuntimeError("train-mtp: --answers-per-step applies to --arch attention (the MLP heads train on "
+                               "batches of 256 positions)")
+    if args.answers_per_step is not None and args.answers_per_step < 1:
+        raise EdgeRuntimeError(f"train-mtp: --answers-per-step must be at least 1, not {args.answers_per_step}")
     if args.arch == "mlp" and (args.curve or args.mt_bench != 80) and not args.json:
         raise EdgeRuntimeError("train-mtp: --curve and --mt-bench measure heads on MT-Bench: name the --json file "
                                "for the figures")
@@ -253,6 +258,8 @@ def add_train_mtp_parser(sub) -> None:
     t.add_argument("--arch", choices=("mlp", "attention"), default="mlp",
                    help="attention: train the EAGLE-style head and measure it and the shipped heads on MT-Bench "
                         "offline (chain accuracy; written to --json, no head file yet)")
+    t.add_argument("--answers-per-step", type=int, default=None,
+                   help="--arch attention: whole answers per optimizer step (default 8)")
     t.add_argument("--json", default=None,
                    help="measure the heads offline on MT-Bench and write the figures here (with --arch mlp: the data's "
                         "generation, and each --curve point's training time and acceptance; the head of all the data "

@@ -71,11 +71,15 @@ def test_train_mtp_arch_attention_measures_both_heads_on_mt_bench(tmp_path, nati
     out, cache = tmp_path / "figures.json", tmp_path / "mt.pt"
     assert main(["train-mtp", "--arch", "attention", "--out", "x"]) == 2  # no head file to write: refused
     assert main(["train-mtp", "--curve", "2"]) == 2  # a curve with nowhere to write its figures: refused
+    assert main(["train-mtp", "--answers-per-step", "2"]) == 2  # the MLP heads batch positions: refused
+    assert main(["train-mtp", "--arch", "attention", "--answers-per-step", "0"]) == 2
     rc = main(["train-mtp", "--arch", "attention", "--prompts", "4", "--max-tokens", "12", "--epochs", "1",
+               "--answers-per-step", "3",
                "--hidden", "64", "--draft-vocab", "256", "--data", str(tmp_path / "answers.pt"), "--json", str(out),
                "--mt-bench", "2", "--mt-bench-cache", str(cache), "--curve", "2"])
     d = json.loads(out.read_text())
     assert rc == 0 and cache.exists() and d["mt_bench_answers"] == 2 and d["train_answer_tokens"] > 0
+    assert d["attention"]["batch"] == 3
     assert [c["prompts"] for c in d["curve"]] == [2, 4] and d["curve"][-1]["chain_accuracy"] == \
         d["attention"]["chain_accuracy"] and d["curve"][0]["train_answer_tokens"] < d["train_answer_tokens"]
     for h in (d["mlp_shipped"], d["attention"], *d["curve"]):
