@@ -62,8 +62,11 @@ def chain_accuracy(head: AttnDraftHead, records: list[dict], emb_table, head_row
     return [float(right[j] / seen[j]) if seen[j] else 0.0 for j in range(steps)]
 
 
+ANSWERS_PER_STEP = 8  # whole answers per optimizer step, unless --answers-per-step says otherwise
+
+
 def train_attention(records: list[dict], backend, steps: int = 4, hidden: int = 1536, size: int = 4096,
-                    epochs: int = 4, batch: int = 8, lr: float = 2e-3, seed: int = 0, held_out=None,
+                    epochs: int = 4, batch: int = ANSWERS_PER_STEP, lr: float = 2e-3, seed: int = 0, held_out=None,
                     progress=print) -> tuple[AttnDraftHead, dict]:
     """Trains on `records` (a 20th held out, seeded); `held_out`: more records to score each epoch on."""
     torch.manual_seed(seed)
@@ -189,7 +192,7 @@ def compare_heads(data: dict, backend, args) -> dict:
     for part, tokens in _sizes(data, args.curve):
         head, report = train_attention(part["records"], backend, steps=args.depth, hidden=args.hidden,
                                        size=args.draft_vocab, epochs=args.epochs, seed=args.seed, held_out=bench,
-                                       batch=args.answers_per_step or 8)
+                                       batch=args.answers_per_step or ANSWERS_PER_STEP)
         last = report["epochs"][-1]
         w = attention_walk(head, bench, emb_table, 3, MT_BENCH_TOKENS)
         curve.append({"prompts": part.get("prompts"), "train_answer_tokens": tokens, "chain_accuracy": last["extra"],
