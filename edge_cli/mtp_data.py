@@ -136,8 +136,7 @@ def answer_jobs(backend, jobs: list[tuple], max_tokens: int, seed: int, batch: i
         for slot in range(batch):  # fill free slots: prefill, then the first token
             while slot not in live and nxt < len(jobs):
                 temp, n, messages = jobs[nxt]
-                req = GenerationRequest(messages=messages, params=SamplingParams())
-                ids = prompt_ids(runner, build_prompt(req, backend.template))[:runner.n_ctx - max_tokens - 1]
+                ids = _prompt(backend, messages, max_tokens)
                 a = _Answer(nxt, ids, tables[slot], temp, seed + n, max_tokens)
                 a.logits = model(torch.tensor(ids), 0, block_table=a.table)[-1].float()
                 a.hidden = model.last_hidden.float()
@@ -163,6 +162,33 @@ def answer_jobs(backend, jobs: list[tuple], max_tokens: int, seed: int, batch: i
                     progress(f"  {done}/{len(jobs)} answers, {tokens} tokens")
     runner.reset()
     return records
+
+
+def _prompt(backend, messages: list[dict], max_tokens: int) -> list[int]:
+    """A job's prompt ids, cut to leave `max_tokens` of the context for the answer."""
+    req = GenerationRequest(messages=messages, params=SamplingParams())
+    return prompt_ids(backend.runner, build_prompt(req, backend.template))[:backend.runner.n_ctx - max_tokens - 1]
+
+
+@torch.inference_mode()
+def add_taps(backend, jobs: list[tuple], records: list[dict], max_tokens: int) -> list[dict]:
+    """`records` (answers to `jobs`, made without taps) with the layers of `backend.model.taps` added to each
+    hidden row (`transformer.features`), by running prompt and answer again through the fused step's chunks,
+    whose rows are the one-token step's bit for bit: so the result equals answering with the taps on, and the
+    final states must come out equal to the recorded ones (checked; a mismatch raises)."""
+    model, runner = backend.model, backend.runner
+    out = []
+    for (_, _, messages), r in zip(jobs, records):
+        ids, n = _prompt(backend, messages, max_tokens), len(r["tokens"])
+        runner.reset()
+        model.fused.step_chunk(ids + r["tokens"][:n - 1].tolist(), 0, model.identity_table, head="last")
+        wide = model.fused.chunk_hidden[len(ids) - 1:len(ids) - 1 + n].to(torch.float16)
+        if not torch.equal(wide[:, :model.cfg.dim], r["hidden"]):
+            raise EdgeRuntimeError("train-mtp: the answers recomputed with taps differ from the recorded ones "
+                                   "(another build or arithmetic made the shards): answer them again")
+        out.append({**r, "hidden": wide})
+    runner.reset()
+    return out
 
 
 def _jobs(prompts: list, temperatures: tuple) -> list[tuple]:
@@ -191,17 +217,22 @@ def first_prompts(data: dict, n: int) -> dict:
 
 def build_shards(backend, out_dir: str, num_prompts: int | None = None, max_tokens: int = 160,
                  temperatures: tuple = (0.0, 0.8), seed: int = 0, shard_jobs: int = 256, batch: int = 16,
-                 progress=print) -> dict:
+                 progress=print, untapped: str | None = None) -> dict:
     """Answers to the large set, in shards of `shard_jobs` answers (`shard-00000.pt` ...), for data at scale.
 
     Resumable: a shard already on disk is kept (each is written whole, then renamed), so the command can be
     stopped and run again, on this machine or another, and goes on where it was; `settings.json` records what
     the shards are answers to, and a folder made with other settings is refused. Returns the settings with
-    the number of shards and answer tokens on disk."""
+    the number of shards and answer tokens on disk. With `backend.model.taps` the hidden rows carry those
+    layers too; a shard that `untapped` (the folder of the same answers without taps) holds is then
+    recomputed from it (`add_taps`, a few times faster than answering again) rather than generated."""
+    taps = list(backend.model.taps)
     prompts = large_prompts(seed)[:num_prompts]
     jobs = _jobs(prompts, temperatures)
     settings = {"prompt_set": "large", "prompts": len(prompts), "temperatures": list(temperatures), "seed": seed,
                 "max_tokens": max_tokens, "shard_jobs": shard_jobs, "model": base_fingerprint(backend)}
+    if taps:
+        settings["taps"] = taps
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "settings.json")
     if os.path.exists(path):
@@ -214,15 +245,25 @@ def build_shards(backend, out_dir: str, num_prompts: int | None = None, max_toke
         with open(path, "w", encoding="utf-8") as f:
             json.dump(settings, f, indent=1)
     shards = -(-len(jobs) // shard_jobs)
+    same = False  # does `untapped` hold these answers without the taps?
+    if taps and untapped and os.path.exists(os.path.join(untapped, "settings.json")):
+        with open(os.path.join(untapped, "settings.json"), encoding="utf-8") as f:
+            same = json.load(f) == {k: v for k, v in settings.items() if k != "taps"}
     for k in range(shards):
         name = os.path.join(out_dir, f"shard-{k:05d}.pt")
         if os.path.exists(name):
             continue
         part = jobs[k * shard_jobs:(k + 1) * shard_jobs]
         t0 = time.time()
-        records = answer_jobs(backend, part, max_tokens, seed, batch, progress=None)
-        torch.save({"records": records, "jobs": [part[0][1], part[-1][1] + 1], "seconds": time.time() - t0},
-                   name + ".tmp")
+        source = os.path.join(untapped, f"shard-{k:05d}.pt") if same else None
+        if source and os.path.exists(source):
+            done = torch.load(source)
+            records = add_taps(backend, part, done["records"], max_tokens)
+            meta = {"seconds": done["seconds"], "tap_seconds": time.time() - t0}  # answering, then the taps
+        else:
+            records = answer_jobs(backend, part, max_tokens, seed, batch, progress=None)
+            meta = {"seconds": time.time() - t0}
+        torch.save({"records": records, "jobs": [part[0][1], part[-1][1] + 1], **meta}, name + ".tmp")
         os.replace(name + ".tmp", name)
         progress(f"  shard {k + 1}/{shards}: {sum(len(r['tokens']) for r in records)} answer tokens")
     return {**settings, "shards": shards}
@@ -230,10 +271,12 @@ def build_shards(backend, out_dir: str, num_prompts: int | None = None, max_toke
 
 def load_shards(out_dir: str) -> dict:
     """Every shard in `out_dir` as one dataset (the records of the shards present, in job order), with
-    `generation_seconds`: the time the shards took to make (summed over the runs that made them)."""
+    `generation_seconds`: the time the shards took to make (summed over the runs that made them), and
+    `tap_seconds`: the time spent adding taps to answers made without them (`add_taps`)."""
     with open(os.path.join(out_dir, "settings.json"), encoding="utf-8") as f:
         settings = json.load(f)
     names = sorted(n for n in os.listdir(out_dir) if n.startswith("shard-") and n.endswith(".pt"))
     shards = [torch.load(os.path.join(out_dir, n)) for n in names]
     return {**settings, "records": [r for s in shards for r in s["records"]], "shards_present": len(names),
-            "generation_seconds": sum(s.get("seconds", 0.0) for s in shards)}
+            "generation_seconds": sum(s.get("seconds", 0.0) for s in shards),
+            "tap_seconds": sum(s.get("tap_seconds", 0.0) for s in shards)}

@@ -112,15 +112,21 @@ def mt_bench_records(backend, n: int = 80, max_tokens: int = 128, path: str | No
     import os
 
     from edge_cli.bench.spec import mt_bench_prompts
-    from edge_cli.mtp_data import answer_jobs
+    from edge_cli.mtp_data import add_taps, answer_jobs
 
-    if path and os.path.exists(path):
-        return torch.load(path)
     jobs = [(0.0, i, [{"role": "user", "content": q}]) for i, q in enumerate(mt_bench_prompts(n))]
-    records = answer_jobs(backend, jobs, max_tokens, seed=0, progress=None)
-    if path:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        torch.save(records, path)
+    if path and os.path.exists(path):
+        records = torch.load(path)
+    else:
+        records = answer_jobs(backend, jobs, max_tokens, seed=0, progress=None)
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            torch.save(records, path)
+    dim = backend.model.cfg.dim
+    if records[0]["hidden"].shape[1] != (1 + len(backend.model.taps)) * dim:  # the cache made with other taps
+        records = [{**r, "hidden": r["hidden"][:, :dim]} for r in records]
+        if backend.model.taps:
+            records = add_taps(backend, jobs, records, max_tokens)
     return records
 
 
@@ -143,6 +149,8 @@ def mlp_figures(head, records: list[dict], backend) -> dict:
     from edge_cli.mtp_eval import drafter_walk
     from edge_runtime.spec.mtp import MtpDrafter
 
+    if not head.taps:  # heads without taps read the final states alone
+        records = [{**r, "hidden": r["hidden"][:, :head.dim]} for r in records]
     acc = mlp_chain_accuracy(head, records, backend)
     w = drafter_walk(MtpDrafter(head, backend.model.embedding), records, 3, MT_BENCH_TOKENS)
     return {"mean_accepted_k3": w["mean_accepted"], "acceptance_per_position": w["acceptance_per_position"],
@@ -163,8 +171,15 @@ def _mt_bench_and_shipped(backend, args) -> tuple[dict, list[dict], dict]:
 
     where = machine()
     bench = mt_bench_records(backend, n=args.mt_bench, max_tokens=MT_BENCH_TOKENS, path=args.mt_bench_cache)
-    shipped = find_heads(backend)
-    mlp = mlp_figures(MtpHead.load(shipped)[0], bench, backend) if shipped else {}
+    shipped = MtpHead.load(find_heads(backend))[0] if find_heads(backend) else None
+    mlp = {}
+    if shipped is not None:  # on the same answers, with the layers the shipped heads read
+        kept, backend.model.taps = backend.model.taps, shipped.taps
+        try:
+            mlp = mlp_figures(shipped, mt_bench_records(backend, n=args.mt_bench, max_tokens=MT_BENCH_TOKENS,
+                                                        path=args.mt_bench_cache), backend)
+        finally:
+            backend.model.taps = kept
     if mlp:
         _say("the shipped MLP heads", mlp)
     return where, bench, mlp
@@ -221,7 +236,7 @@ def mlp_curve(data: dict, backend, args):
     for part, tokens in _sizes(data, args.curve):
         t0 = time.time()
         head, report = train(part, backend, depth=args.depth, hidden=args.hidden, draft_vocab=args.draft_vocab,
-                             epochs=args.epochs, seed=args.seed)
+                             epochs=args.epochs, seed=args.seed, loss=args.loss or "soft")
         seconds = round(time.time() - t0)
         f = mlp_figures(head, bench, backend)
         curve.append({"prompts": part.get("prompts"), "train_answer_tokens": tokens, "train_seconds": seconds,
@@ -232,9 +247,11 @@ def mlp_curve(data: dict, backend, args):
                    "mt_bench_acceptance_per_position_k3": [round(a, 4) for a in f["acceptance_per_position"]]})
     seconds = data.get("generation_seconds")
     generation = {"answers": len(data["records"]), "prompts": data.get("prompts"), "answer_tokens": curve[-1]["train_answer_tokens"],
+                  "tap_seconds": data.get("tap_seconds"),
                   "temperatures": data.get("temperatures"), "max_tokens": data.get("max_tokens"), "seconds": seconds,
                   "tokens_per_s": curve[-1]["train_answer_tokens"] / seconds if seconds else None}
-    figures = {"benchmark": "mtp-train-curve", "arch": "mlp", "generation": generation, "curve": curve,
+    figures = {"benchmark": "mtp-train-curve", "arch": "mlp", "taps": list(backend.model.taps),
+               "loss": args.loss or "soft", "generation": generation, "curve": curve,
                "mt_bench_answers": len(bench), "mt_bench_answer_tokens": sum(len(r["tokens"]) for r in bench),
                "mlp_shipped_before": before,
                "targets": {"mean_accepted_k3": 2.5}, "machine": where}

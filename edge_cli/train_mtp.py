@@ -29,7 +29,7 @@ SMALL_DATA = os.path.join(".cache", "mtp-data.pt")
 
 
 def examples(records: list[dict], depth: int, vocab_index: torch.Tensor):
-    """H [N, dim] fp32, tokens [N, depth] (chain inputs), targets [N, depth] (draft-vocab index, OUTSIDE, or
+    """H [N, dim] (fp16 as recorded; [N, (1 + taps) * dim] with taps), tokens [N, depth] (chain inputs), targets [N, depth] (draft-vocab index, OUTSIDE, or
     -100 past the answer's end)."""
     hs, toks, tgts = [], [], []
     for r in records:
@@ -39,15 +39,41 @@ def examples(records: list[dict], depth: int, vocab_index: torch.Tensor):
         pad_tok = torch.cat([r["tokens"], torch.zeros(depth, dtype=torch.long)])
         greedy = torch.cat([vocab_index[r["greedy"]], torch.full((depth + 1,), -100, dtype=torch.long)])
         idx = torch.arange(n - 1)
-        hs.append(r["hidden"][:n - 1].float())
+        hs.append(r["hidden"][:n - 1])
         toks.append(torch.stack([pad_tok[idx + j] for j in range(depth)], dim=1))
         tgts.append(torch.stack([greedy[idx + j + 1] for j in range(depth)], dim=1))
     return torch.cat(hs), torch.cat(toks), torch.cat(tgts)
 
 
+def next_states(records: list[dict], depth: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For `examples`' rows, in its order: the model's final states [M, dim] fp16 (what its logits read, one
+    per answer token) and, per row and depth j, the index of the state that chose the token j + 1 positions
+    on ([N, depth], -1 past the answer's end): the soft targets' source (`soft_loss`)."""
+    states, idx, base = [], [], 0
+    for r in records:
+        n = len(r["tokens"])
+        if n < 2:
+            continue
+        states.append(r["hidden"][:, :dim])
+        i = torch.arange(n - 1)[:, None] + torch.arange(1, depth + 1)[None, :]
+        idx.append(torch.where(i < n, i + base, -1))
+        base += n
+    return torch.cat(states), torch.cat(idx)
+
+
+def soft_loss(logits, states, idx, head_rows, weights) -> torch.Tensor:
+    """Cross-entropy of the chain's logits [N, depth, V_d] against the model's own distribution over the draft
+    vocabulary at each target position (its final state there through the tied head rows), rather than its
+    argmax alone: the head learns how sure the model is (`idx` -1: no target)."""
+    ok = idx >= 0
+    p = torch.softmax(states[idx.clamp(min=0)].float() @ head_rows.T, dim=-1)
+    ce = -(p * F.log_softmax(logits, dim=-1)).sum(-1)  # [N, depth]
+    return ((ce * ok).sum(0) / ok.sum(0).clamp(min=1) * weights).sum()
+
+
 def chain_logits(head: MtpHead, emb_table: torch.Tensor, head_rows: torch.Tensor, h, toks):
     """Logits [N, depth, V_d] of the chained head (teacher-forced tokens, its own states)."""
-    out = []
+    out, h = [], h.float()
     for j in range(toks.shape[1]):
         h = head(h, emb_table[toks[:, j]])
         out.append(h @ head_rows.T)
@@ -115,7 +141,7 @@ def expected_accepted(acc: list[float], k: int) -> float:
 
 
 def train(data: dict, backend, depth: int = 4, hidden: int = 1024, draft_vocab: int = 4096, epochs: int = 4,
-          batch: int = 256, lr: float = 2e-3, seed: int = 0, progress=print) -> tuple[MtpHead, dict]:
+          batch: int = 256, lr: float = 2e-3, seed: int = 0, loss: str = "soft", progress=print) -> tuple[MtpHead, dict]:
     torch.manual_seed(seed)
     records = list(data["records"])
     random.Random(seed).shuffle(records)
@@ -126,8 +152,9 @@ def train(data: dict, backend, depth: int = 4, hidden: int = 1024, draft_vocab: 
     emb_table = embedding_table(backend)
     head_rows = emb_table[vocab].contiguous()
     h, toks, tgts = examples(train_recs, depth, vocab_index)
+    states, nxt = next_states(train_recs, depth, cfg.dim) if loss == "soft" else (None, None)
     hv, tv, yv = examples(held, depth, vocab_index)
-    head = MtpHead(cfg.dim, hidden, vocab, cfg.norm_eps, depth)
+    head = MtpHead(cfg.dim, hidden, vocab, cfg.norm_eps, depth, tuple(data.get("taps", ())))
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.01)
     steps = epochs * math.ceil(len(h) / batch)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 100) * 0.5 * (1 + math.cos(math.pi * s / steps)))
@@ -142,13 +169,16 @@ def train(data: dict, backend, depth: int = 4, hidden: int = 1024, draft_vocab: 
         for s in range(0, len(h), batch):
             idx = order[s:s + batch]
             logits = chain_logits(head, emb_table, head_rows, h[idx], toks[idx])
-            loss = sum(weights[j] * F.cross_entropy(logits[:, j], trainable(tgts[idx, j]), ignore_index=-100)
-                       for j in range(depth))
+            if nxt is not None:
+                value = soft_loss(logits, states, nxt[idx], head_rows, weights)
+            else:
+                value = sum(weights[j] * F.cross_entropy(logits[:, j], trainable(tgts[idx, j]), ignore_index=-100)
+                            for j in range(depth))
             opt.zero_grad()
-            loss.backward()
+            value.backward()
             opt.step()
             sched.step()
-            total += float(loss.detach()) * len(idx)
+            total += float(value.detach()) * len(idx)
         acc = accuracy(head, emb_table, head_rows, hv, tv, yv)
         score = expected_accepted(acc, 3)
         if score > best[0]:  # keep the epoch that drafts best on held-out answers
@@ -163,17 +193,19 @@ def train(data: dict, backend, depth: int = 4, hidden: int = 1024, draft_vocab: 
               "vocab_coverage": round(coverage, 4), "depth": depth, "hidden": hidden, "epochs": epochs,
               "batch": batch, "lr": lr, "seed": seed, "held_out_chain_accuracy": [round(a, 4) for a in acc],
               "held_out_expected_tokens_per_step_k3": round(score, 4), "best_epoch": best_epoch,
-              "prompts": data.get("prompts"), "max_tokens": data.get("max_tokens")}
+              "prompts": data.get("prompts"), "max_tokens": data.get("max_tokens"), "taps": data.get("taps", []),
+              "loss": loss}
     return head.eval(), report
 
 
-def large_folder(prompts: int) -> str:
+def large_folder(prompts: int, taps: tuple[int, ...] = ()) -> str:
     """The large set's default shard folder: in the per-user cache (~/.cache/edge-runtime or
     $EDGE_RUNTIME_CACHE), not the checkout, so a fresh checkout on the same machine goes on where the last
     run stopped; one folder per prompt count (a folder's shards are answers to one job list)."""
     from kernels.compile_cache import cache_root
 
-    return os.path.join(cache_root(), f"mtp-large-{prompts or 'all'}")
+    tapped = f"-taps{'-'.join(map(str, taps))}" if taps else ""
+    return os.path.join(cache_root(), f"mtp-large-{prompts or 'all'}{tapped}")
 
 
 def run_train_mtp(args) -> int:
@@ -188,17 +220,27 @@ def run_train_mtp(args) -> int:
                                "batches of 256 positions)")
     if args.answers_per_step is not None and args.answers_per_step < 1:
         raise EdgeRuntimeError(f"train-mtp: --answers-per-step must be at least 1, not {args.answers_per_step}")
+    taps = tuple(sorted(set(args.taps or ())))
+    if args.arch == "attention" and args.loss is not None:
+        raise EdgeRuntimeError("train-mtp: --loss applies to the MLP heads (the attention head trains on the argmax)")
+    if taps and (args.arch == "attention" or args.prompt_set != "large"):
+        raise EdgeRuntimeError("train-mtp: --taps applies to the MLP heads (--arch mlp) on --prompt-set large")
     if args.arch == "mlp" and (args.curve or args.mt_bench != 80) and not args.json:
         raise EdgeRuntimeError("train-mtp: --curve and --mt-bench measure heads on MT-Bench: name the --json file "
                                "for the figures")
 
     # room for 16 answers decoding together (prompts are cut to leave max_tokens)
     backend = NativeBackend(model=args.model, threads=args.threads, n_ctx=1024, kv_budget="1GiB")
+    if any(not 0 <= t < backend.model.cfg.num_layers for t in taps):
+        raise EdgeRuntimeError(f"train-mtp: --taps must be layers 0..{backend.model.cfg.num_layers - 1}, not "
+                               f"{','.join(map(str, taps))}")
+    backend.model.taps = taps
     temps = tuple(float(t) for t in args.temperatures.split(","))
     if args.prompt_set == "large":  # shards in a folder, resumable
-        folder = args.data or large_folder(args.prompts)
+        folder = args.data or large_folder(args.prompts, taps)
         print(f"train-mtp: the model answers the large prompt set into {folder} (shards already there are kept)")
-        build_shards(backend, folder, args.prompts or None, args.max_tokens, temps, seed=args.seed)
+        build_shards(backend, folder, args.prompts or None, args.max_tokens, temps, seed=args.seed,
+                     untapped=large_folder(args.prompts) if taps else None)
         data = load_shards(folder)
     elif os.path.exists(args.data or SMALL_DATA):
         data = torch.load(args.data or SMALL_DATA)
@@ -229,7 +271,7 @@ def run_train_mtp(args) -> int:
         print_and_save(figures, args.json)
     else:
         head, report = train(data, backend, depth=args.depth, hidden=args.hidden, draft_vocab=args.draft_vocab,
-                             epochs=args.epochs, seed=args.seed)
+                             epochs=args.epochs, seed=args.seed, loss=args.loss or "soft")
     out = args.out or os.path.join(HEADS_DIR, f"{os.path.splitext(os.path.basename(backend.path))[0]}.safetensors")
     head.save(out, base_fingerprint(backend), report)
     print(f"train-mtp: wrote {out} ({os.path.getsize(out) / 1e6:.1f} MB)")
@@ -260,6 +302,13 @@ def add_train_mtp_parser(sub) -> None:
                         "offline (chain accuracy; written to --json, no head file yet)")
     t.add_argument("--answers-per-step", type=int, default=None,
                    help="--arch attention: whole answers per optimizer step (default 8)")
+    t.add_argument("--taps", type=lambda v: [int(x) for x in v.split(",")], default=None,
+                   help="layers whose output the heads' first step reads too (EAGLE-3's fusion), e.g. 20,26; "
+                        "--prompt-set large only (shards in their own folder, made from the untapped ones' answers "
+                        "when those exist)")
+    t.add_argument("--loss", choices=("soft", "hard"), default=None,
+                   help="the MLP heads' targets: soft (default), the model's own distribution over the draft "
+                        "vocabulary at each position; hard, its argmax alone")
     t.add_argument("--json", default=None,
                    help="measure the heads offline on MT-Bench and write the figures here (with --arch mlp: the data's "
                         "generation, and each --curve point's training time and acceptance; the head of all the data "

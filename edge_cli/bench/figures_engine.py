@@ -289,8 +289,9 @@ def _mtp_curve(d):
     """`train-mtp --curve N1,N2 --json` (MLP heads): a head per data size, measured offline on MT-Bench."""
     curve = sorted(d.get("curve") or [], key=lambda c: c["train_answer_tokens"])
     gen, before, target = d.get("generation") or {}, d.get("mlp_shipped_before") or {}, _target(d, "mean_accepted_k3")
-    fig, axs = _fig(1, f"MLP draft heads by training data, offline on {d.get('mt_bench_answers', '?')} MT-Bench "
-                       f"answers ({_num(d.get('mt_bench_answer_tokens'))} tokens)")
+    recipe = (f"taps {','.join(map(str, d['taps']))}, " if d.get("taps") else "") + f"{d.get('loss', 'hard')} loss"
+    fig, axs = _fig(1, f"MLP draft heads ({recipe}) by training data, offline on {d.get('mt_bench_answers', '?')} "
+                       f"MT-Bench answers ({_num(d.get('mt_bench_answer_tokens'))} tokens)")
     axs[0].plot([c["train_answer_tokens"] for c in curve], [_k3(c) for c in curve], "o-", color=OURS, label="MLP heads")
     axs[0].set_xscale("log")
     axs[0].set_xlabel("answer tokens trained on")
@@ -304,7 +305,7 @@ def _mtp_curve(d):
                   f"k = 3, {_how(c)}", _num(_k3(c)), ", ".join(_pct(a) for a in c["chain_accuracy"]),
                   None, "", target, ">=", _k3(c)) for c in curve]
     rows.append(_row(f"heads shipped before this run: k = 3 ({_how(before)})", _num(_k3(before))))
-    return ("train-mtp: MLP draft heads by training data", "Tokens per verification at k = 3 against the answer "
+    return (f"train-mtp: MLP draft heads ({recipe}) by training data", "Tokens per verification at k = 3 against the answer "
             "tokens the heads were trained on, each head measured offline on the model's own greedy MT-Bench "
             "answers as in the draft heads' figures (the replayed verification; the chain accuracy per depth "
             "beside it).", rows, fig)

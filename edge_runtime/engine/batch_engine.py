@@ -126,6 +126,8 @@ class BatchEngine:
         if method != "none" and self.model.fused is None:
             raise ValueError("drafting needs the GGUF weights on our C kernels (--quant gguf on a CPU): other "
                              "paths round a batch of rows differently from one row, so drafts would change answers")
+        # the layers the heads read, reported with each hidden row (none without heads: no cost to plain steps)
+        self.model.taps = mtp.head.taps if mtp is not None else ()
         self.draft = method
         self.drafter = None if method == "none" else StepDrafter(method, self.runner.decode_group, mtp, fixed_k)
 
@@ -325,7 +327,8 @@ class BatchEngine:
             if job.request.confidence:
                 info = confidence(row)
                 if job.next_seq == 0 and job.hidden is not None:
-                    info["hidden"] = job.hidden  # the first token's: the prompt's final hidden state
+                    # the first token's: the prompt's final hidden state (without the taps drafters read)
+                    info["hidden"] = job.hidden[:self.runner.model.cfg.dim]
             self._delta(job, text, [token], info)
         return finish
 

@@ -25,7 +25,7 @@ from kernels.kv_cache import slot_tensor
 from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 
 from edge_runtime.model.fused_decode import tree_paths
-from edge_runtime.model.transformer import rms_norm
+from edge_runtime.model.transformer import features, rms_norm
 from edge_runtime.engine.scheduler import ScheduledChunk
 
 
@@ -135,18 +135,21 @@ class BatchRunner:
             bounds.append(bounds[-1] + chunks[i].end - chunks[i].start)
         x = model.embedding(torch.tensor(ids, dtype=torch.long, device=dev))
         cos, sin = model.cos[pos].unsqueeze(1), model.sin[pos].unsqueeze(1)
+        tapped = []
         for layer, block in enumerate(model.blocks):
             q, k, v = block.qkv_rope(x, cos, sin)
             kv.write(layer, slots, k, v)
             attn = torch.cat([paged_prefill_attention(q[a:b], kv, layer, table, chunks[i].start, block.scale)
                               for i, table, a, b in zip(which, tables, bounds, bounds[1:])])
             x = block.out_mlp(x, attn)
+            tapped += [x] if layer in model.taps else []
         last = [b - 1 for i, b in zip(which, bounds[1:]) if chunks[i].samples]
         if last:
             normed = rms_norm(x[last], model.norm, model.cfg.norm_eps)
             logits = model.output(normed).float().cpu()
+            hidden = features(normed, [t[last] for t in tapped])
             for row, i in enumerate(i for i in which if chunks[i].samples):
-                out[i], self.hidden[i] = logits[row:row + 1], normed[row:row + 1].float().cpu()
+                out[i], self.hidden[i] = logits[row:row + 1], hidden[row:row + 1].float().cpu()
 
     def decode(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]], tails=None,
                bases=None) -> torch.Tensor:
@@ -168,9 +171,12 @@ class BatchRunner:
         tables = torch.zeros(len(positions), width, dtype=torch.long, device=dev)
         for row, (t, p) in enumerate(zip(block_tables, positions)):
             tables[row, :p // bs + 1] = torch.tensor(t[:p // bs + 1], device=dev)
+        tapped = []
         for layer, block in enumerate(model.blocks):
             q, k, v = block.qkv_rope(x, cos, sin)
             kv.write(layer, slots, k, v)
             x = block.out_mlp(x, paged_decode_attention(q, kv, layer, tables, pos + 1, block.scale))
-        self._torch_hidden = normed = rms_norm(x, model.norm, model.cfg.norm_eps)
+            tapped += [x] if layer in model.taps else []
+        normed = rms_norm(x, model.norm, model.cfg.norm_eps)
+        self._torch_hidden = features(normed, tapped)
         return model.output(normed).float()

@@ -62,6 +62,8 @@ def generate_stream(runner: Runner, template: ChatTemplate, request: GenerationR
     logits = runner.prefill(ids)
     # the prompt's representation, for the difficulty probe: only runners that keep it have it
     hidden = getattr(runner, "last_hidden", None) if request.confidence else None
+    if hidden is not None:  # the final-normed state alone, without the taps MTP drafters may read after it
+        hidden = hidden[:runner.model.cfg.dim]
     t_first = None
     history = list(ids)
     finish = None

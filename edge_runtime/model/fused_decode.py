@@ -14,6 +14,8 @@ import ctypes
 
 import torch
 
+from edge_runtime.model.transformer import features
+
 
 class FusedDecoder:
     def __init__(self, model, lib):
@@ -56,7 +58,7 @@ class FusedDecoder:
 
         return (cpu_gemv.arith(), cpu_qgemm.variant())
 
-    def _whole_step(self, x: torch.Tensor, pos: int, block_table: list[int]) -> None:
+    def _whole_step(self, x: torch.Tensor, pos: int, block_table: list[int]) -> list[torch.Tensor]:
         from kernels import cpu_gemv
 
         m, cfg = self.model, self.cfg
@@ -68,10 +70,29 @@ class FusedDecoder:
         dims = (ctypes.c_int * 11)(cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_dim,
                                    pos, cpu_gemv.threads(), m.kv.block_size, KV_KIND[m.kv.kv_dtype], int(m.kv.rotated),
                                    cpu_gemv.arith_code())
-        rc = self.lib.decode_layers(cfg.num_layers, dims, self.eps, self.scale, self.w_ptrs, self.kinds,
-                                    self.norm_ptrs, self.kv_ptrs, self.table.data_ptr(), m.cos[pos].data_ptr(),
-                                    m.sin[pos].data_ptr(), x.data_ptr(), self.scratch.data_ptr())
-        assert rc == 0, rc
+        return self._layers(lambda n, w, kinds, norms, kv: self.lib.decode_layers(
+            n, dims, self.eps, self.scale, w, kinds, norms, kv, self.table.data_ptr(), m.cos[pos].data_ptr(),
+            m.sin[pos].data_ptr(), x.data_ptr(), self.scratch.data_ptr()), x, 1)
+
+    def _layers(self, call, x: torch.Tensor, num: int) -> list[torch.Tensor]:
+        """Runs `call(n_layers, w, kinds, norms, kv_pools)` (a decode_layers* function on the residual rows x)
+        over every layer: in one call, or with the model's taps in runs of layers ending at each tap, since the
+        C step keeps no residual between layers (x continues where a run stopped: the same bits as one call).
+        Returns x's rows [num, dim] after each tapped layer."""
+        from ctypes import addressof, c_int, c_void_p, sizeof
+
+        def at(table, per_layer: int, size: int, layer: int) -> int:  # where `table`'s entries of `layer` begin
+            return addressof(table) + per_layer * layer * size
+
+        taps, tapped, first = self.model.taps, [], 0
+        for end in sorted({t + 1 for t in taps} | {self.cfg.num_layers}):
+            rc = call(end - first, at(self.w_ptrs, 4, sizeof(c_void_p), first), at(self.kinds, 4, sizeof(c_int), first),
+                      at(self.norm_ptrs, 2, sizeof(c_void_p), first), at(self.kv_ptrs, 4, sizeof(c_void_p), first))
+            assert rc == 0, rc
+            if end - 1 in taps:
+                tapped.append(x.reshape(num, -1).clone())
+            first = end
+        return tapped
 
     def _rows(self, token_ids: list[int], positions: list[int]):
         """What decode_layers_batch/_chunk take for these rows: the residual stream x [M, dim] (embedded,
@@ -124,20 +145,19 @@ class FusedDecoder:
             flat += [0] * (stride - n)
         tables = torch.tensor(flat, dtype=torch.int32)
         if tails is None or all(t is None for t in tails):
-            rc = self.lib.decode_layers_batch(cfg.num_layers, num, dims, self.eps, self.scale, self.w_ptrs, self.kinds,
-                                              self.norm_ptrs, self.kv_ptrs, tables.data_ptr(), stride, pos_arr, cos,
-                                              sin, x.data_ptr(), scratch.data_ptr())
+            tapped = self._layers(lambda n, w, kinds, norms, kv: self.lib.decode_layers_batch(
+                n, num, dims, self.eps, self.scale, w, kinds, norms, kv, tables.data_ptr(), stride, pos_arr, cos,
+                sin, x.data_ptr(), scratch.data_ptr()), x, num)
         else:
             width = max(len(t) for t in tails if t is not None)
             flat_tails = torch.tensor([s for t in tails for s in (t or []) + [0] * (width - len(t or []))],
                                       dtype=torch.int32)
             base_arr = torch.tensor([b if t is not None else -1 for t, b in zip(tails, bases)], dtype=torch.int32)
-            rc = self.lib.decode_layers_batch_tree(cfg.num_layers, num, dims, self.eps, self.scale, self.w_ptrs,
-                                                   self.kinds, self.norm_ptrs, self.kv_ptrs, tables.data_ptr(), stride,
-                                                   pos_arr, cos, sin, x.data_ptr(), scratch.data_ptr(),
-                                                   flat_tails.data_ptr(), width, base_arr.data_ptr())
-        assert rc == 0, rc
-        self.batch_hidden = normed = self._final_norm(x)  # [M, dim]: what the head read, one row per sequence
+            tapped = self._layers(lambda n, w, kinds, norms, kv: self.lib.decode_layers_batch_tree(
+                n, num, dims, self.eps, self.scale, w, kinds, norms, kv, tables.data_ptr(), stride, pos_arr, cos,
+                sin, x.data_ptr(), scratch.data_ptr(), flat_tails.data_ptr(), width, base_arr.data_ptr()), x, num)
+        normed = self._final_norm(x)  # [M, dim]: what the head reads, one row per sequence
+        self.batch_hidden = features(normed, tapped)  # what drafters read
         return m.output(normed).float()
 
     def prefill(self, token_ids: list[int], pos0: int, block_table: list[int], all_logits: bool = False) -> torch.Tensor:
@@ -163,16 +183,16 @@ class FusedDecoder:
         for start in range(0, len(token_ids), step):
             ids = token_ids[start:start + step]
             x, scratch, pos_arr, cos, sin, dims = self._rows(ids, list(range(pos0 + start, pos0 + start + len(ids))))
-            rc = self.lib.decode_layers_chunk(cfg.num_layers, len(ids), dims, self.eps, self.scale, self.w_ptrs,
-                                              self.kinds, self.norm_ptrs, self.kv_ptrs, table.data_ptr(), pos_arr,
-                                              cos, sin, x.data_ptr(), scratch.data_ptr())
-            assert rc == 0, rc
-            hidden.append(self._final_norm(x))
+            tapped = self._layers(lambda n, w, kinds, norms, kv: self.lib.decode_layers_chunk(
+                n, len(ids), dims, self.eps, self.scale, w, kinds, norms, kv, table.data_ptr(), pos_arr, cos, sin,
+                x.data_ptr(), scratch.data_ptr()), x, len(ids))
+            normed = self._final_norm(x)
+            hidden.append(features(normed, tapped))
             if head == "all":
-                outs.append(m.output(hidden[-1]).float())
-        self.chunk_hidden = torch.cat(hidden)  # [T, dim]: what the head read
+                outs.append(m.output(normed).float())
+        self.chunk_hidden = torch.cat(hidden)  # [T, dim]: what the head read (and the taps: what drafters read)
         m.last_hidden = self.chunk_hidden[-1]
-        return torch.cat(outs) if head == "all" else m.output(self.chunk_hidden[-1:]).float()
+        return torch.cat(outs) if head == "all" else m.output(self.chunk_hidden[-1:, :cfg.dim]).float()
 
     def step_tree(self, token_ids: list[int], parents: list[int], pos0: int, slots: list[int],
                   block_table: list[int]) -> torch.Tensor:
@@ -216,9 +236,9 @@ class FusedDecoder:
         """Logits fp32 [1, vocab] for `token_id` at position `pos` (its K/V are written into its slot)."""
         m, cfg = self.model, self.cfg
         x = m.embedding(torch.tensor([token_id])).reshape(cfg.dim).contiguous()  # [dim], updated in place
-        self._whole_step(x, pos, block_table)
+        tapped = self._whole_step(x, pos, block_table)
         self.lib.add_rmsnorm(x.data_ptr(), None, m.norm.data_ptr(), cfg.dim, self.eps, self.logits_norm.data_ptr())
-        m.last_hidden = self.logits_norm[0]  # NOTE: a view of a reused buffer; copy it to keep it
+        m.last_hidden = features(self.logits_norm, tapped)[0]  # NOTE: without taps a view of a reused buffer
         return m.output(self.logits_norm).float()
 
 

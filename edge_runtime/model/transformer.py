@@ -127,6 +127,9 @@ class Transformer(nn.Module):
         self.block_step = None  # set by enable_compile(): the compiled decode step of one block
         self.fused = None  # set by enable_fused(): FusedDecoder for one-token steps
         self.last_hidden: torch.Tensor | None = None  # [dim] fp32: the final-normed state at the last position
+        # layers whose output (the residual stream after them) drafters read too, EAGLE-3's fusion of layers:
+        # then every hidden row the model reports (last_hidden, the fused step's rows) is `features()`'s
+        self.taps: tuple[int, ...] = ()
 
     @property
     def device(self) -> torch.device:
@@ -172,18 +175,25 @@ class Transformer(nn.Module):
         x = self.embedding(token_ids)
         cos = self.cos[pos0:pos0 + num_tokens].unsqueeze(1)  # [T, 1, hd]
         sin = self.sin[pos0:pos0 + num_tokens].unsqueeze(1)
+        tapped = []  # [T, dim] after each of self.taps
         if num_tokens == 1 and self.block_step is not None:  # compiled: one graph for every layer
             read_slots = slot_tensor(table, 0, pos0 + 1, self.kv.block_size, self.device)
             for layer, block in enumerate(self.blocks):
                 x = self.block_step(block, x, cos, sin, self.kv.layer(layer), meta.slots, read_slots)
+                tapped += [x] if layer in self.taps else []
         else:
             for layer, block in enumerate(self.blocks):
                 x = block(x, cos, sin, self.kv, layer, meta)
-        if not all_logits:
-            x = x[-1:]
-        h = rms_norm(x, self.norm, self.cfg.norm_eps)  # [T or 1, dim]: what the output head reads
-        self.last_hidden = h[-1]  # NOTE: a reference, no copy; overwritten by the next forward
+                tapped += [x] if layer in self.taps else []
+        h = rms_norm(x if all_logits else x[-1:], self.norm, self.cfg.norm_eps)  # [T or 1, dim]: what the head reads
+        self.last_hidden = features(h[-1:], [t[-1:] for t in tapped])[0]  # NOTE: no copy without taps
         return self.output(h).float()
+
+
+def features(normed: torch.Tensor, tapped: list[torch.Tensor]) -> torch.Tensor:
+    """What drafters read for rows [N, dim]: the final-normed state, then the residual stream after each tapped
+    layer ([N, (1 + taps) * dim]); without taps, `normed` itself."""
+    return torch.cat([normed, *tapped], dim=-1) if tapped else normed
 
 
 def _decode_block_gathered(block: Block, x, cos, sin, pools: tuple, slots, read_slots):

@@ -45,9 +45,16 @@ def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class MtpHead(nn.Module):
-    def __init__(self, dim: int, hidden: int, vocab: torch.Tensor, eps: float = 1e-5, depth: int = 4):
+    def __init__(self, dim: int, hidden: int, vocab: torch.Tensor, eps: float = 1e-5, depth: int = 4,
+                 taps: tuple[int, ...] = ()):
         super().__init__()
-        self.dim, self.hidden, self.eps, self.depth = dim, hidden, eps, depth
+        self.dim, self.hidden, self.eps, self.depth, self.taps = dim, hidden, eps, depth, tuple(taps)
+        if self.taps:  # the first step's h: the final state and the tapped layers' residuals, fused (EAGLE-3)
+            self.g_f = nn.Parameter(torch.ones(1 + len(self.taps), dim))
+            self.w_f = nn.Linear((1 + len(self.taps)) * dim, dim, bias=False)
+            with torch.no_grad():  # starts as the final state alone
+                self.w_f.weight.zero_()
+                self.w_f.weight[:, :dim] = torch.eye(dim)
         self.g_h, self.g_e = nn.Parameter(torch.ones(dim)), nn.Parameter(torch.ones(dim))
         self.w_in = nn.Linear(2 * dim, dim, bias=False)
         self.g_m = nn.Parameter(torch.ones(dim))
@@ -59,8 +66,15 @@ class MtpHead(nn.Module):
         nn.init.normal_(self.w_gate_up.weight, std=0.02)
         nn.init.zeros_(self.w_down.weight)  # starts as a pure fusion of the inputs
 
+    def fuse(self, h: torch.Tensor) -> torch.Tensor:
+        """The model's features [N, (1 + taps) * dim] (`transformer.features`) -> the first step's h [N, dim]."""
+        parts = h.reshape(h.shape[0], 1 + len(self.taps), self.dim)
+        return self.w_f((_rms(parts, self.eps) * self.g_f).flatten(1))
+
     def forward(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-        """h, e: [N, dim] -> h' [N, dim]."""
+        """h: [N, dim] (a step's output) or the model's features [N, (1 + taps) * dim]; e: [N, dim] -> h' [N, dim]."""
+        if h.shape[-1] != self.dim:
+            h = self.fuse(h)
         z = self.w_in(torch.cat([_rms(h, self.eps) * self.g_h, _rms(e, self.eps) * self.g_e], dim=-1))
         gate, up = self.w_gate_up(_rms(z, self.eps) * self.g_m).chunk(2, dim=-1)
         z = z + self.w_down(F.silu(gate) * up)
@@ -73,6 +87,8 @@ class MtpHead(nn.Module):
                    for k, v in self.state_dict().items()}
         meta = {"format": FORMAT, "dim": str(self.dim), "hidden": str(self.hidden), "eps": repr(self.eps),
                 "depth": str(self.depth), "base_fingerprint": base_fingerprint}
+        if self.taps:
+            meta["taps"] = ",".join(map(str, self.taps))
         if extra:
             meta["training"] = json.dumps(extra, sort_keys=True)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -87,7 +103,8 @@ class MtpHead(nn.Module):
             if meta.get("format") != FORMAT:
                 raise ValueError(f"{path} is not an MTP head file ({FORMAT})")
             tensors = {k: f.get_tensor(k) for k in f.keys()}
-        head = cls(int(meta["dim"]), int(meta["hidden"]), tensors["vocab"], float(meta["eps"]), int(meta["depth"]))
+        taps = tuple(int(t) for t in meta["taps"].split(",")) if meta.get("taps") else ()
+        head = cls(int(meta["dim"]), int(meta["hidden"]), tensors["vocab"], float(meta["eps"]), int(meta["depth"]), taps)
         head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()})
         return head.eval(), meta
 
@@ -131,8 +148,13 @@ class Q8Head:
         self.w_in, self.w_gate_up, self.w_down = (q8(lin.weight) for lin in (head.w_in, head.w_gate_up, head.w_down))
         self.rows = q8(head_rows)
         self.n_in, self.n_vocab = head.dim, head_rows.shape[0]
+        self.w_f = q8(head.w_f.weight) if head.taps else None
+        self.g_f = head.g_f.detach().float().clone() if head.taps else None
 
     def __call__(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        if h.shape[-1] != self.n_in:  # the model's features: fused first (MtpHead.fuse)
+            parts = h.reshape(h.shape[0], -1, self.n_in)
+            h = self.gemv("q8_0", self.w_f, (_rms(parts, self.eps) * self.g_f).flatten(1), self.n_in)
         z = self.gemv("q8_0", self.w_in, torch.cat([_rms(h, self.eps) * self.g_h, _rms(e, self.eps) * self.g_e], -1),
                       self.n_in)
         gate, up = self.gemv("q8_0", self.w_gate_up, _rms(z, self.eps) * self.g_m, 2 * self.hidden).chunk(2, dim=-1)
@@ -172,6 +194,7 @@ class MtpDrafter:
         if path is None:
             raise InvalidRequestError("no MTP heads ship for this model: train them with `edge-runtime train-mtp`")
         head, _ = MtpHead.load(path)
+        backend.model.taps = head.taps  # the model reports the layers the heads read with its hidden rows
         return cls(head, backend.model.embedding)
 
     def propose(self, history: list[int], k: int, hidden: torch.Tensor) -> list[int]:
@@ -189,9 +212,17 @@ class MtpDrafter:
         h = self.head(h, e)
         return h, h @ self.head_rows.T
 
+    def first_state(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's hidden row that chose the last token, as the first step reads it: [1, (1 + taps) * dim]."""
+        width = (1 + len(self.head.taps)) * self.head.dim
+        if hidden.numel() != width:  # the model must report the layers the heads were trained on
+            raise ValueError(f"the MTP heads read {width} features per row (taps {self.head.taps}), got "
+                             f"{hidden.numel()}: set the model's taps to the heads' (MtpDrafter.for_backend)")
+        return hidden.float().reshape(1, -1)
+
     def propose_from(self, hidden: torch.Tensor, token: int, k: int) -> list[int]:
         """Up to k drafts after `token`, given the hidden state whose logits chose `token`."""
-        h = hidden.float().reshape(1, -1)
+        h = self.first_state(hidden)
         out = []
         for _ in range(min(k, self.max_depth)):
             h, logits = self.head_step(h, [token])

@@ -263,6 +263,7 @@ def make_drafter(name: str, backend, allow_inexact: bool = False):
     cached = getattr(backend, "_mtp_drafter", None)
     if cached is None:  # loading and quantizing the heads once per backend
         cached = backend._mtp_drafter = MtpDrafter.for_backend(backend)
+    backend.model.taps = cached.head.taps  # the model reports the layers the heads read (set_draft may reset them)
     if name == "mtp-tree":
         from edge_runtime.spec.tree import TreeDrafter
 

@@ -89,7 +89,7 @@ class TreeDrafter:
     def grow(self, hidden: torch.Tensor, token: int, size: int, depth: int) -> DraftTree:
         """The best `size` drafts after `token` (chosen by the hidden state `hidden`), at most `depth` deep."""
         nodes = [(0.0, -1, token)]  # (cumulative log-probability, parent, token); node 0 the root
-        frontier, states = [0], hidden.float().reshape(1, -1)
+        frontier, states = [0], self.mtp.first_state(hidden)
         for _ in range(depth):
             states, logits = self.mtp.head_step(states, [nodes[i][2] for i in frontier])
             # each row's `width` likeliest tokens and their log-probabilities (numpy: a torch reduction over

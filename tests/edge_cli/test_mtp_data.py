@@ -62,3 +62,38 @@ def test_a_dataset_cut_to_its_first_prompts_keeps_each_temperatures_answers_to_t
     data = {"prompts": 3, "temperatures": [0.0, 0.8], "records": [f"t{t}p{p}" for t in (0, 1) for p in range(3)]}
     assert first_prompts(data, 2)["records"] == ["t0p0", "t0p1", "t1p0", "t1p1"]
     assert first_prompts(data, 2)["prompts"] == 2 and first_prompts(data, 3)["records"] == data["records"]
+
+
+def test_taps_recomputed_from_untapped_shards_equal_answering_with_taps_on(tmp_path, native_backend):
+    """`add_taps` runs the recorded answers again through the fused chunks: the final states come out equal to
+    the recorded ones (checked), and the records equal answering with the taps on, bit for bit."""
+    model = native_backend.model
+    kept = model.taps
+    plain = str(tmp_path / "plain")
+    build_shards(native_backend, plain, num_prompts=2, max_tokens=6, shard_jobs=2, progress=lambda m: None)
+    try:
+        model.taps = (3, 20)
+        derived = build_shards(native_backend, str(tmp_path / "derived"), num_prompts=2, max_tokens=6,
+                               shard_jobs=2, progress=lambda m: None, untapped=plain)
+        fresh = build_shards(native_backend, str(tmp_path / "fresh"), num_prompts=2, max_tokens=6, shard_jobs=2,
+                             progress=lambda m: None)
+    finally:
+        model.taps = kept
+    assert derived["taps"] == fresh["taps"] == [3, 20]
+    a, b, c = (load_shards(str(tmp_path / n)) for n in ("plain", "derived", "fresh"))
+    assert b["tap_seconds"] > 0 and c["tap_seconds"] == 0  # derived from the answers / answered with taps on
+    assert len(a["records"]) == len(b["records"]) == len(c["records"]) == 4
+    for x, y, z in zip(a["records"], b["records"], c["records"]):
+        assert y["hidden"].shape == (len(x["tokens"]), 3 * 576)
+        assert torch.equal(y["hidden"][:, :576], x["hidden"]) and torch.equal(y["hidden"], z["hidden"])
+        assert torch.equal(x["tokens"], z["tokens"]) and torch.equal(x["greedy"], z["greedy"])
+    assert not torch.equal(b["records"][0]["hidden"][:, 576:1152], b["records"][0]["hidden"][:, 1152:])
+    bad = [{**r, "hidden": r["hidden"] + 1} for r in a["records"][:1]]  # answers another build made
+    from edge_cli.mtp_data import _jobs, add_taps
+
+    model.taps = (3,)
+    try:
+        with pytest.raises(EdgeRuntimeError, match="differ from the recorded ones"):
+            add_taps(native_backend, _jobs(large_prompts(0)[:2], (0.0, 0.8))[:1], bad, 6)
+    finally:
+        model.taps = kept

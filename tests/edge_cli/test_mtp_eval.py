@@ -23,8 +23,8 @@ def test_walk_replays_the_engines_mtp_drafting_exactly(native_backend, tmp_path)
     are the engine's own, answer by answer (greedy, k = 3, 64 tokens)."""
     from edge_runtime.spec.mtp import MtpDrafter
 
+    drafter = MtpDrafter.for_backend(native_backend)  # first: the records carry the layers its heads read
     records = mt_bench_records(native_backend, n=4, max_tokens=64)
-    drafter = MtpDrafter.for_backend(native_backend)
     for r, q in zip(records, mt_bench_prompts(4)):
         t = Tally()
         _run(native_backend, "mtp", 3, q, 64, t)

@@ -196,3 +196,29 @@ def test_the_mlp_heads_curve_follows_from_its_chain_accuracy(committed):
         assert 1 <= h["mean_accepted_k3"] <= 4 and len(h["acceptance_per_position"]) == 3
         assert h["mean_accepted_k3"] < h["expected_accepted_k3"]  # the estimate overstates
     assert f"{d['curve'][-1]['mean_accepted_k3']:.3g}" in page
+
+
+def test_the_tapped_heads_figures_follow_from_their_chain_accuracy_and_are_the_shipped_heads(committed, native_backend):
+    """bench-results/mtp-train-taps.json (`train-mtp --taps 20,26 --curve 2000 --json`, soft loss): each figure
+    recomputed from its chain accuracy, the heads it wrote are the shipped ones (their metadata carries its
+    last point), and the page shows it."""
+    import json
+
+    from edge_cli.train_mtp import expected_accepted
+    from edge_runtime.spec.mtp import MtpHead, find_heads
+
+    page, sections, _ = committed
+    d = _json("mtp-train-taps.json")
+    assert d["taps"] == [20, 26] and d["loss"] == "soft" and d["arch"] == "mlp"
+    for h in (*d["curve"], d["mlp_shipped_before"]):
+        assert len(h["chain_accuracy"]) == 4 and all(0 <= a <= 1 for a in h["chain_accuracy"])
+        assert h["expected_accepted_k3"] == pytest.approx(expected_accepted(h["chain_accuracy"], 3), abs=1e-9)
+        assert 1 <= h["mean_accepted_k3"] <= 4 and len(h["acceptance_per_position"]) == 3
+    tokens = [c["train_answer_tokens"] for c in d["curve"]]
+    assert len(tokens) >= 2 and tokens == sorted(tokens) and tokens[-1] == d["generation"]["answer_tokens"]
+    head, meta = MtpHead.load(find_heads(native_backend))
+    training = json.loads(meta["training"])
+    assert head.taps == (20, 26) and training["loss"] == "soft" and training["taps"] == [20, 26]
+    assert training["mt_bench_tokens_per_verification_k3"] == round(d["curve"][-1]["mean_accepted_k3"], 4)
+    assert any(s.kind == "mtp-curve" and "taps 20,26" in s.title for s in sections)
+    assert f"{d['curve'][-1]['mean_accepted_k3']:.3g}" in page

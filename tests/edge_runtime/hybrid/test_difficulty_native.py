@@ -18,10 +18,10 @@ def test_last_hidden_is_what_the_output_head_reads(native_backend):
     runner, model = native_backend.runner, native_backend.model
     runner.reset()
     logits = runner.prefill(chat_ids(native_backend, "What is the capital of Australia?"))
-    h = runner.last_hidden
-    assert h.shape == (model.cfg.dim,) and h.dtype == torch.float32 and h.device.type == "cpu"
+    h = runner.last_hidden  # the final state, then the layers MTP heads read if the model has taps
+    assert h.shape == ((1 + len(model.taps)) * model.cfg.dim,) and h.dtype == torch.float32 and h.device.type == "cpu"
     with torch.inference_mode():
-        assert torch.equal(model.output(h[None].to(model.device)).float()[0].cpu(), logits)
+        assert torch.equal(model.output(h[None, :model.cfg.dim].to(model.device)).float()[0].cpu(), logits)
     kept = h.clone()
     runner.step(int(logits.argmax()))
     assert torch.equal(runner.last_hidden, kept)  # a copy: decode steps do not overwrite it
@@ -42,7 +42,7 @@ def test_last_hidden_after_a_prefix_cache_hit_that_leaves_one_token(native_backe
     logits = runner.prefill(ids)
     h = runner.last_hidden
     with torch.inference_mode():
-        assert torch.equal(model.output(h[None].to(model.device)).float()[0].cpu(), logits)
+        assert torch.equal(model.output(h[None, :model.cfg.dim].to(model.device)).float()[0].cpu(), logits)
     assert torch.allclose(h, full_hidden, atol=2e-2, rtol=2e-2) and int(logits.argmax()) == int(full.argmax())
 
 

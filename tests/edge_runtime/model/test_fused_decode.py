@@ -217,3 +217,49 @@ def test_rows_argmax_is_torch_argmax():
         x[4, 0] = x[4, -1] = float("inf")
         x[5] = -x[5].abs() - 1.0
         assert argmax(x) == x.argmax(dim=-1).tolist(), n
+
+
+def test_taps_leave_every_step_exact_and_report_the_tapped_layers(model_path, prose):
+    """With `model.taps` the C step runs its layers in runs ending at each tapped layer: the logits and the
+    final states stay bit for bit those of one call (one-token step, batch, chunk), and the rows carry the
+    residual stream after those layers, as the readable torch path computes it."""
+    from edge_runtime.model.tokenizer import Tokenizer
+
+    model, gf = load_model(model_path, quant="gguf")
+    ids = Tokenizer.from_metadata(gf.metadata).encode(prose)[:60]
+    dim, taps = model.cfg.dim, (3, 20)
+    model.allocate_cache(128)
+    assert model.enable_fused(cpu_gemv.library())
+
+    def steps(with_taps):
+        model.taps = with_taps
+        with torch.inference_mode():
+            model(torch.tensor(ids[:30]), 0)
+            first = (model.last_hidden.clone(),)
+            one = model.fused.step(ids[30], 30, model.identity_table), model.last_hidden.clone()
+            chunk = model.fused.step_chunk(ids[31:40], 31, model.identity_table), model.fused.chunk_hidden.clone()
+            batch = model.fused.step_batch([ids[40]], [40], [model.identity_table]), model.fused.batch_hidden.clone()
+        return first + one + chunk + batch
+
+    plain, tapped = steps(()), steps(taps)
+    for i in (1, 3, 5):  # logits
+        assert torch.equal(plain[i], tapped[i])
+    for i in (0, 2, 4, 6):  # the final states come first, then one dim per tap
+        assert plain[i].shape[-1] == dim and tapped[i].shape[-1] == 3 * dim
+        assert torch.equal(plain[i], tapped[i][..., :dim])
+    cap = {}
+    hooks = [model.blocks[t].register_forward_hook(lambda m, i, o, t=t: cap.__setitem__(t, o)) for t in taps]
+    fused, model.fused, model.taps = model.fused, None, ()
+    with torch.inference_mode():
+        model(torch.tensor(ids[:40]), 0, all_logits=True)
+    for h in hooks:
+        h.remove()
+    for j, t in enumerate(taps):  # the chunk's rows 31..39 against the torch path's block outputs
+        c = tapped[4][:, (1 + j) * dim:(2 + j) * dim]
+        assert torch.nn.functional.cosine_similarity(c, cap[t][31:40], dim=-1).min() > 0.99
+    assert not torch.allclose(tapped[4][:, dim:2 * dim], tapped[4][:, 2 * dim:])  # two different layers
+    model.fused, model.taps = fused, taps
+    with torch.inference_mode():  # the torch path reports the same taps
+        model.fused = None
+        model(torch.tensor(ids[:30]), 0)
+        assert torch.nn.functional.cosine_similarity(model.last_hidden[None], tapped[0][None]).item() > 0.99

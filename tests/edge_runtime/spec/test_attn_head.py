@@ -90,6 +90,9 @@ def test_train_mtp_arch_attention_measures_both_heads_on_mt_bench(tmp_path, nati
     from edge_cli.mtp_eval import drafter_walk  # the shipped heads' replay recomputed
     from edge_runtime.spec.mtp import MtpDrafter
 
-    walked = drafter_walk(MtpDrafter.for_backend(native_backend), __import__("torch").load(cache), 3, 128)
+    from edge_cli.train_attn import mt_bench_records
+
+    drafter = MtpDrafter.for_backend(native_backend)  # sets the model's taps: the cached answers get them added
+    walked = drafter_walk(drafter, mt_bench_records(native_backend, n=2, path=str(cache)), 3, 128)
     assert d["mlp_shipped"]["mean_accepted_k3"] == walked["mean_accepted"]
     assert d["machine"]["cpu_model"]

@@ -92,3 +92,49 @@ def test_shipped_heads_match_the_default_model(native_backend):
 
     assert os.path.getsize(path) <= 20 * 1024 * 1024
     assert native_backend.model.cfg.dim == head.dim
+
+
+def test_heads_with_taps_save_load_and_draft_from_the_models_features(tmp_path, native_backend):
+    head = MtpHead(576, 32, torch.arange(64), taps=(3, 20))
+    torch.nn.init.normal_(head.w_f.weight, std=0.02)  # not the identity it starts as
+    head.save(str(tmp_path / "t.safetensors"), base_fingerprint(native_backend))
+    loaded, meta = MtpHead.load(str(tmp_path / "t.safetensors"))
+    assert meta["taps"] == "3,20" and loaded.taps == (3, 20)
+    h, e = torch.randn(2, 3 * 576), torch.randn(2, 576)
+    assert torch.allclose(loaded(h, e), head(h, e), atol=1e-2)  # fp16 weights in the file
+    assert loaded(h, e).shape == (2, 576) and loaded(loaded(h, e), e).shape == (2, 576)  # steps after the first
+    fast = MtpDrafter(loaded, native_backend.model.embedding)
+    slow = MtpDrafter(loaded, native_backend.model.embedding, fast=False)
+    assert fast.fast is not None
+    a, b = fast.head_step(h[:1], [100]), slow.head_step(h[:1], [100])  # the Q8 path fuses the taps too
+    assert torch.nn.functional.cosine_similarity(a[1], b[1]).item() > 0.99
+    assert len(fast.propose_from(h[0], 100, 3)) == 3
+    with pytest.raises(ValueError, match="taps"):  # the final state alone: the model is not reporting the taps
+        fast.propose_from(torch.randn(576), 100, 3)
+
+
+def test_soft_loss_is_the_cross_entropy_against_the_models_own_distribution():
+    from edge_cli.train_mtp import next_states, soft_loss
+
+    torch.manual_seed(0)
+    recs = [{"tokens": torch.arange(n), "hidden": torch.randn(n, 8).half()} for n in (5, 1, 3)]
+    states, idx = next_states(recs, 2, 8)
+    assert states.shape == (8, 8) and idx.tolist() == [[1, 2], [2, 3], [3, 4], [4, -1], [6, 7], [7, -1]]
+    rows, logits, w = torch.randn(6, 8), torch.randn(6, 2, 6), torch.tensor([1.0, 0.8])
+    want = 0.0
+    for j in range(2):
+        ok = idx[:, j] >= 0
+        p = torch.softmax(states[idx[ok, j]].float() @ rows.T, -1)
+        want += w[j] * torch.nn.functional.cross_entropy(logits[ok, j], p)
+    assert torch.allclose(soft_loss(logits, states, idx, rows, w), want)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--arch", "attention", "--taps", "20"], "--taps applies to the MLP heads"),
+    (["--taps", "20"], "--taps applies to the MLP heads"),  # the small set
+    (["--prompt-set", "large", "--taps", "30"], "--taps must be layers 0..29"),
+    (["--arch", "attention", "--loss", "soft"], "--loss applies to the MLP heads"),
+])
+def test_train_mtp_refuses_taps_and_losses_that_do_not_apply(args, message, capsys, tmp_path):
+    assert main(["train-mtp", "--epochs", "0", "--data", str(tmp_path / "d")] + args) == 2
+    assert message in capsys.readouterr().err
