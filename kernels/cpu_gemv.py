@@ -73,7 +73,9 @@ QG_VARIANTS = {
                ("avx2", ["-DQG_AVX2", "-mavx2", "-mfma", "-mf16c"]),
                ("avxvnni", ["-DQG_AVXVNNI", "-mavx2", "-mfma", "-mf16c", "-mavxvnni"]),
                ("avx512vnni", ["-DQG_AVX512VNNI", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw",
-                               "-mavx512vl", "-mavx512vnni"])],
+                               "-mavx512vl", "-mavx512vnni"]),
+               ("amx", ["-DQG_AVX512VNNI", "-DQG_AMX", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw",
+                        "-mavx512vl", "-mavx512vnni", "-mamx-tile", "-mamx-int8"])],
     "aarch64": [("portable", []), ("neon", ["-DQG_NEON", "-march=armv8.2-a+dotprod"])],
 }
 
@@ -158,6 +160,8 @@ class _Library:
         self.decode_layers_batch_tree.restype = ctypes.c_int
         self.rows_argmax = self.lib.rows_argmax
         self.rows_argmax.argtypes, self.rows_argmax.restype = [p, i, i, p], None
+        self.mtp_head_step = self.lib.mtp_head_step
+        self.mtp_head_step.argtypes, self.mtp_head_step.restype = [i, p, f, p, p, p, p, p, p], ctypes.c_int
         self.kv_store_rows = self.lib.decode_kv_store_rows
         self.kv_store_rows.argtypes, self.kv_store_rows.restype = [p, p, i, i, p, i, i, i, p], None
 

@@ -17,8 +17,9 @@
  * no FMA), so the result does not depend on the variant, on M, on the rows x is batched with,
  * on the thread split, or on the tiling.
  *
- * This file is compiled once per variant (-DQG_NAME=portable|avx2|avxvnni|avx512vnni|neon with
- * that ISA's flags); only the integer dot product differs between them. cpu_qgemm_dispatch.c
+ * This file is compiled once per variant (-DQG_NAME=portable|avx2|avxvnni|avx512vnni|amx|neon with
+ * that ISA's flags; amx is avx512vnni plus tile multiplies for two or more rows of x from the packed
+ * layout); only the integer dot product differs between them. cpu_qgemm_dispatch.c
  * picks one at run time. It knows nothing of models, torch or Python: raw pointers in, fp32 out.
  */
 #include <math.h>
@@ -643,6 +644,175 @@ static void tiles_q4_1(const qg_args* a, int t0, int t1) { tiles_packed(a, t0, t
 static void tiles_q8_0(const qg_args* a, int t0, int t1) { tiles_packed(a, t0, t1, K_Q8_0); }
 #endif
 
+#ifdef QG_AMX
+/* ---- AMX: the packed layout through tile multiplies (Sapphire Rapids and later) ---------------------
+ * A pair of 8-row tiles of W (16 rows of W, the columns of C) against up to 16 rows of x (C's rows), one
+ * 32-value block at a time: TDPBSUD (Q8_0: TDPBSSD) gives the block's exact isum for all 16 x 16 pairs
+ * (int32, no saturation), the same integers the VNNI kernels sum; the epilogue is tiles_packed's per-lane
+ * arithmetic with 16 rows of W as the lanes, block b adding to accumulator b % 8. So it gives the same bits
+ * as every other variant, and the rows beyond the first cost a tile row each instead of a pass of their own.
+ * Tile registers: 0-3 C (mc x 16 int32), 4-5 A (mc rows of x's block, 32 codes), 6-7 B (8 steps x 16 rows
+ * x 4 codes, built from the packed layout: each 16-byte quarter of a packed register is 4 rows x one step
+ * of 4 codes, which is B's layout). */
+#define AMX_MIN_M 4 /* fewer rows keep the VNNI kernel: per block the tile work costs more than 1-3 rows of VNNI */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed, aligned(64))) amx_cfg;
+
+static void amx_configure(int mc) {
+    amx_cfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 4; i++) cfg.rows[i] = (uint8_t)mc, cfg.colsb[i] = 64; /* C: mc rows of x x 16 of W, int32 */
+    for (int i = 4; i < 6; i++) cfg.rows[i] = (uint8_t)mc, cfg.colsb[i] = 32; /* A: mc rows of x x a block's codes */
+    for (int i = 6; i < 8; i++) cfg.rows[i] = 8, cfg.colsb[i] = 64;           /* B: 8 steps x 16 rows of W x 4 */
+    _tile_loadconfig(&cfg);
+}
+
+/* B for block `blk_a` of tile t (rows 0-7 of the pair) and `blk_b` of tile t + 1 (rows 8-15; NULL: zeros):
+ * step s's 64 bytes are row n's 4 codes 4 s .. 4 s + 3 for n = 0..15. In the packed layout register (R, j)
+ * holds step j in its low and step j + 4 in its high 16 bytes, 4 rows each: Q4 has R = 0 (rows 0-3) in the
+ * low and R = 1 (rows 4-7) in the high nibbles of piece j, Q8_0 has them in pieces j and 4 + j. */
+ALWAYS_INLINE void amx_b(const uint8_t* blk_a, const uint8_t* blk_b, const int KIND, uint8_t* bb) {
+    const __m512i lo_steps = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);  /* quarters 0 and 2 of both */
+    const __m512i hi_steps = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15); /* quarters 1 and 3 */
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) {
+        __m512i r0, r1; /* rows 0-3 | rows 4-7 of both tiles, per quarter */
+        if (KIND == K_Q8_0) {
+            const __m256i a0 = _mm256_loadu_si256((const __m256i*)(blk_a + 32 * j));
+            const __m256i a1 = _mm256_loadu_si256((const __m256i*)(blk_a + 32 * (4 + j)));
+            const __m256i b0 = blk_b ? _mm256_loadu_si256((const __m256i*)(blk_b + 32 * j)) : _mm256_setzero_si256();
+            const __m256i b1 = blk_b ? _mm256_loadu_si256((const __m256i*)(blk_b + 32 * (4 + j))) : _mm256_setzero_si256();
+            r0 = _mm512_inserti64x4(_mm512_castsi256_si512(a0), b0, 1);
+            r1 = _mm512_inserti64x4(_mm512_castsi256_si512(a1), b1, 1);
+        } else {
+            const __m256i a = _mm256_loadu_si256((const __m256i*)(blk_a + 32 * j));
+            const __m256i b = blk_b ? _mm256_loadu_si256((const __m256i*)(blk_b + 32 * j)) : _mm256_setzero_si256();
+            const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1), m4 = _mm512_set1_epi8(0x0F);
+            r0 = _mm512_and_si512(v, m4);
+            r1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        }
+        _mm512_store_si512((__m512i*)(bb + 64 * j), _mm512_permutex2var_epi64(r0, lo_steps, r1));
+        _mm512_store_si512((__m512i*)(bb + 64 * (j + 4)), _mm512_permutex2var_epi64(r0, hi_steps, r1));
+    }
+}
+
+/* dw (and Q4_1's mw) of one block of the pair as 16 lanes: rows 0-7 from tile t, 8-15 from t + 1 (or zero) */
+ALWAYS_INLINE __m512 amx_halves(const uint8_t* pa, const uint8_t* pb) {
+    const __m128i lo = _mm_loadu_si128((const __m128i*)pa);
+    const __m128i hi = pb ? _mm_loadu_si128((const __m128i*)pb) : _mm_setzero_si128();
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
+}
+
+/* The epilogue of one block (its isums in cb, mc rows of x): tiles_packed's formulas, 16 rows of W as lanes. */
+ALWAYS_INLINE void amx_epilogue(const qg_args* a, int m0, int mc, int b, const int32_t (*cb)[16], __m512 dw, __m512 mw,
+                                float (*acc)[GROUP][16], const int KIND) {
+    const int l = b % GROUP;
+    for (int m = 0; m < mc; m++) {
+        const size_t xb = (size_t)(m0 + m) * a->nbp + b;
+        __m512i is = _mm512_load_si512((const __m512i*)cb[m]);
+        if (KIND == K_Q4_0) is = _mm512_sub_epi32(is, _mm512_set1_epi32(8 * a->s[xb]));
+        __m512 c = _mm512_mul_ps(_mm512_mul_ps(dw, _mm512_set1_ps(a->d[xb])), _mm512_cvtepi32_ps(is));
+        if (KIND == K_Q4_1) c = _mm512_add_ps(c, _mm512_mul_ps(mw, _mm512_set1_ps(a->sf[xb])));
+        _mm512_store_ps(acc[m][l], _mm512_add_ps(_mm512_load_ps(acc[m][l]), c));
+    }
+}
+
+#define AMX_SEG 32   /* blocks whose B is built ahead (16 KB) */
+#define AMX_LAG 2  /* blocks between a block's multiply and its epilogue (C tiles 0-3, A tiles 4-5, B tiles 6-7) */
+
+/* Tiles [t0, t1) of W (taken in pairs) against every row of x; y columns past N are not written. B is built
+ * for a run of blocks first (tile loads then read settled memory); each block's multiply is issued two
+ * blocks ahead of its epilogue, and the next pair's weights are prefetched while this pair computes. */
+ALWAYS_INLINE void tiles_amx(const qg_args* a, int t0, int t1, const int KIND) {
+    const int nb = a->K / QK, TB = tile_bytes(KIND), codes = KIND == K_Q8_0 ? 256 : 128;
+    const size_t xstride = (size_t)a->nbp * QK;
+    uint8_t bb[AMX_SEG][512] __attribute__((aligned(64)));
+    int32_t cb[4][16][16] __attribute__((aligned(64)));
+    float acc[16][GROUP][16] __attribute__((aligned(64)));
+    int configured = 0;
+    for (int t = t0; t < t1; t += 2) {
+        const uint8_t* ta = a->w + (size_t)t * nb * TB;
+        const uint8_t* tb = t + 1 < t1 ? ta + (size_t)nb * TB : NULL;
+        for (int m0 = 0; m0 < a->M; m0 += 16) {
+            const int mc = a->M - m0 < 16 ? a->M - m0 : 16;
+            if (mc != configured) {
+                amx_configure(mc);
+                configured = mc;
+            }
+            for (int m = 0; m < mc; m++)
+                for (int l = 0; l < GROUP; l++) _mm512_store_ps(acc[m][l], _mm512_setzero_ps());
+            const int8_t* xq = a->q + (size_t)m0 * xstride;
+            for (int s0 = 0; s0 < nb; s0 += AMX_SEG) {
+                const int sn = nb - s0 < AMX_SEG ? nb - s0 : AMX_SEG;
+                for (int i = 0; i < sn; i++) {
+                    const uint8_t* ba = ta + (size_t)(s0 + i) * TB;
+                    const uint8_t* bq = tb ? tb + (size_t)(s0 + i) * TB : NULL;
+                    amx_b(ba, bq, KIND, bb[i]);
+                }
+                /* software pipeline: block i's loads, multiply and tile store are issued before block i - 2's
+                 * epilogue (C tile and cb slot i % 4, A and B tiles by parity), so the tile unit and the vector
+                 * units work at once and a stored tile is read two blocks later */
+                for (int i = 0; i < sn + AMX_LAG; i++) {
+                    if (i < sn) {
+                        const int b = s0 + i;
+#define AMX_DOT(c, at, bt)                                                                   \
+    _tile_loadd(at, xq + (size_t)b * QK, (long)xstride);                                     \
+    _tile_loadd(bt, bb[i], 64);                                                              \
+    _tile_zero(c);                                                                           \
+    if (KIND == K_Q8_0) _tile_dpbssd(c, at, bt);                                             \
+    else _tile_dpbsud(c, at, bt);                                                            \
+    _tile_stored(c, cb[c], 64);
+                        switch (i & 3) {
+                            case 0: AMX_DOT(0, 4, 6) break;
+                            case 1: AMX_DOT(1, 5, 7) break;
+                            case 2: AMX_DOT(2, 4, 6) break;
+                            default: AMX_DOT(3, 5, 7) break;
+                        }
+#undef AMX_DOT
+                        if (m0 + 16 >= a->M && t + 2 < t1) { /* the next pair's block, while this one computes */
+                            const char* na = (const char*)(ta + (size_t)(2 * nb + b) * TB);
+                            for (int c = 0; c < TB; c += 64) {
+                                _mm_prefetch(na + c, _MM_HINT_T0);
+                                _mm_prefetch(na + (size_t)nb * TB + c, _MM_HINT_T0);
+                            }
+                        }
+                    }
+                    if (i >= AMX_LAG) {
+                        const int j = i - AMX_LAG, b = s0 + j;
+                        const uint8_t* ba = ta + (size_t)b * TB;
+                        const uint8_t* bq = tb ? tb + (size_t)b * TB : NULL;
+                        const __m512 dw = amx_halves(ba + codes, bq ? bq + codes : NULL);
+                        const __m512 mw = KIND == K_Q4_1 ? amx_halves(ba + codes + 16, bq ? bq + codes + 16 : NULL)
+                                                         : _mm512_setzero_ps();
+                        amx_epilogue(a, m0, mc, b, (const int32_t(*)[16])cb[j & 3], dw, mw, acc, KIND);
+                    }
+                }
+            }
+            const int left = a->N - 8 * t, rows_w = left < (tb ? 16 : 8) ? left : (tb ? 16 : 8);
+            for (int m = 0; m < mc; m++) {
+                __m512 v[GROUP];
+                for (int l = 0; l < GROUP; l++) v[l] = _mm512_load_ps(acc[m][l]);
+                const __m512 y = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(v[0], v[1]), _mm512_add_ps(v[2], v[3])),
+                                               _mm512_add_ps(_mm512_add_ps(v[4], v[5]), _mm512_add_ps(v[6], v[7])));
+                float out[16] __attribute__((aligned(64)));
+                _mm512_store_ps(out, y);
+                memcpy(a->y + (size_t)(m0 + m) * a->N + 8 * t, out, sizeof(float) * (size_t)rows_w);
+            }
+        }
+    }
+    if (configured) _tile_release();
+}
+
+static void amx_q4_0(const qg_args* a, int t0, int t1) { tiles_amx(a, t0, t1, K_Q4_0); }
+static void amx_q4_1(const qg_args* a, int t0, int t1) { tiles_amx(a, t0, t1, K_Q4_1); }
+static void amx_q8_0(const qg_args* a, int t0, int t1) { tiles_amx(a, t0, t1, K_Q8_0); }
+#endif
+
 static void rows_q4_0(const qg_args* a, int n0, int n1) { rows(a, n0, n1, K_Q4_0); }
 static void rows_q4_1(const qg_args* a, int n0, int n1) { rows(a, n0, n1, K_Q4_1); }
 static void rows_q8_0(const qg_args* a, int n0, int n1) { rows(a, n0, n1, K_Q8_0); }
@@ -709,6 +879,15 @@ int FN(qgemm_team)(const uint8_t* w, int kind, int packed, int N, int K, const f
     if (packed) {
         fn = kind == K_Q4_0 ? tiles_q4_0 : kind == K_Q4_1 ? tiles_q4_1 : tiles_q8_0;
         units = (N + 7) / 8;
+    }
+#endif
+#ifdef QG_AMX
+    if (packed && M >= AMX_MIN_M) { /* the threads split pairs of tiles */
+        fn = kind == K_Q4_0 ? amx_q4_0 : kind == K_Q4_1 ? amx_q4_1 : amx_q8_0;
+        const int tiles = units, pairs = (tiles + 1) / 2;
+        const int p0 = (int)((long long)pairs * t / T), p1 = (int)((long long)pairs * (t + 1) / T);
+        fn(&a, 2 * p0, 2 * p1 < tiles ? 2 * p1 : tiles);
+        return 0;
     }
 #endif
     fn(&a, (int)((long long)units * t / T), (int)((long long)units * (t + 1) / T));

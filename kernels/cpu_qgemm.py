@@ -10,7 +10,7 @@ tests compare every variant with it bit for bit.
 
 The variants live in the one library `cpu_gemv` builds. At load the best one the CPU
 reports (cpuid through `__builtin_cpu_supports`, arm64 HWCAP) is chosen;
-`EDGE_RUNTIME_ISA=portable|avx2|avxvnni|avx512vnni|neon|auto` overrides it, and `select()`
+`EDGE_RUNTIME_ISA=portable|avx2|avxvnni|avx512vnni|amx|neon|auto` overrides it, and `select()`
 switches at run time (a variant this CPU cannot run is refused with the list it can).
 
 It knows nothing of models: callers decide which rows to fuse.
@@ -26,7 +26,7 @@ import torch
 
 from kernels import cpu_gemv
 
-VARIANTS = ("portable", "avx2", "avxvnni", "avx512vnni", "neon")  # ids 0..4 in cpu_qgemm_dispatch.c
+VARIANTS = ("portable", "avx2", "avxvnni", "avx512vnni", "neon", "amx")  # ids 0..5 in cpu_qgemm_dispatch.c
 KIND_CODE = {"q4_0": 0, "q4_1": 1, "q4_k": 4, "q8_0": 8}
 BLOCK = cpu_gemv.BLOCK
 ENV = "EDGE_RUNTIME_ISA"

@@ -1,7 +1,8 @@
 /* Run-time choice among the variants of cpu_qgemm.c built into this library.
  *
  * Variants by id: 0 portable, 1 avx2, 2 avxvnni, 3 avx512vnni (x86-64), 4 neon (arm64 with
- * dotprod). At load the best one this CPU runs is selected, from what the CPU itself reports
+ * dotprod), 5 amx (avx512vnni plus AMX tile multiplies for two or more rows of x; the OS must grant
+ * the tile state, which the support check requests). At load the best one this CPU runs is selected, from what the CPU itself reports
  * (__builtin_cpu_supports on x86-64: cpuid plus the OS's register-state check; getauxval's
  * HWCAP on Linux arm64), so the same build serves every CPU. qgemm_select switches (the
  * EDGE_RUNTIME_ISA override and the tests use it); a variant the CPU cannot run is refused.
@@ -10,6 +11,13 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__x86_64__)
+#include <cpuid.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#endif
 #if defined(__aarch64__) && defined(__linux__)
 #include <sys/auxv.h>
 #endif
@@ -28,6 +36,7 @@ VARIANT_DECLS(portable)
 VARIANT_DECLS(avx2)
 VARIANT_DECLS(avxvnni)
 VARIANT_DECLS(avx512vnni)
+VARIANT_DECLS(amx)
 #endif
 #if defined(__aarch64__)
 VARIANT_DECLS(neon)
@@ -40,6 +49,9 @@ extern int qgemm_quantize_portable(const float*, int, int, int8_t*, float*, int3
 extern int qgemm_packed_avx2(const uint8_t*, int, int, int, const float*, int, float*, int);
 extern int qgemm_packed_avxvnni(const uint8_t*, int, int, int, const float*, int, float*, int);
 extern int qgemm_packed_avx512vnni(const uint8_t*, int, int, int, const float*, int, float*, int);
+extern int qgemm_packed_amx(const uint8_t*, int, int, int, const float*, int, float*, int);
+extern int qgemm_amx(const uint8_t*, int, int, int, const float*, int, float*, int);
+extern int qgemm_quantize_amx(const float*, int, int, int8_t*, float*, int32_t*, float*);
 extern int qgemm_avx2(const uint8_t*, int, int, int, const float*, int, float*, int);
 extern int qgemm_avxvnni(const uint8_t*, int, int, int, const float*, int, float*, int);
 extern int qgemm_avx512vnni(const uint8_t*, int, int, int, const float*, int, float*, int);
@@ -53,14 +65,31 @@ extern int qgemm_neon(const uint8_t*, int, int, int, const float*, int, float*, 
 extern int qgemm_quantize_neon(const float*, int, int, int8_t*, float*, int32_t*, float*);
 #endif
 
-enum { V_PORTABLE = 0, V_AVX2 = 1, V_AVXVNNI = 2, V_AVX512VNNI = 3, V_NEON = 4, NUM_VARIANTS = 5 };
-static const char* const NAMES[NUM_VARIANTS] = {"portable", "avx2", "avxvnni", "avx512vnni", "neon"};
+enum { V_PORTABLE = 0, V_AVX2 = 1, V_AVXVNNI = 2, V_AVX512VNNI = 3, V_NEON = 4, V_AMX = 5, NUM_VARIANTS = 6 };
+static const char* const NAMES[NUM_VARIANTS] = {"portable", "avx2", "avxvnni", "avx512vnni", "neon", "amx"};
 
 static qgemm_fn fns[NUM_VARIANTS], packed_fns[NUM_VARIANTS];
 static qquant_fn quants[NUM_VARIANTS];
 static qteam_fn teams[NUM_VARIANTS];
 static qws_fn workspaces[NUM_VARIANTS];
 static int current = -1;
+
+#if defined(__x86_64__)
+/* AMX-TILE and AMX-INT8 in cpuid, and (Linux) the kernel's grant of the tile data state to this process,
+ * asked once: without the grant the first tile instruction faults. */
+static int amx_usable(void) {
+    static int usable = -1;
+    if (usable >= 0) return usable;
+    unsigned a, b, c, d;
+    usable = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return usable;
+#if defined(__linux__)
+    /* ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18) */
+    usable = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+#endif
+    return usable;
+}
+#endif
 
 /* 1 when this library holds variant v and this CPU can run it. */
 int qgemm_supported(int v) {
@@ -73,6 +102,7 @@ int qgemm_supported(int v) {
     if (v == V_AVX512VNNI)
         return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    if (v == V_AMX) return qgemm_supported(V_AVX512VNNI) && amx_usable();
 #endif
 #if defined(__aarch64__)
 #if defined(__linux__)
@@ -106,6 +136,10 @@ static void init(void) {
     SET_TEAM(V_AVX2, avx2);
     SET_TEAM(V_AVXVNNI, avxvnni);
     SET_TEAM(V_AVX512VNNI, avx512vnni);
+    fns[V_AMX] = qgemm_amx;
+    packed_fns[V_AMX] = qgemm_packed_amx;
+    quants[V_AMX] = qgemm_quantize_amx;
+    SET_TEAM(V_AMX, amx);
 #endif
 #if defined(__aarch64__)
     fns[V_NEON] = qgemm_neon;
@@ -168,7 +202,8 @@ int qgemm_quantize(const float* x, int M, int K, int8_t* q, float* d, int32_t* s
 /* 1 when the selected variant has a kernel for the packed layout of `kind`. */
 int qgemm_packed_supported(int kind) {
     init();
-    return (current == V_AVX2 || current == V_AVXVNNI || current == V_AVX512VNNI) && (kind == 0 || kind == 1 || kind == 8);
+    return (current == V_AVX2 || current == V_AVXVNNI || current == V_AVX512VNNI || current == V_AMX) &&
+           (kind == 0 || kind == 1 || kind == 8);
 }
 
 /* y = x @ W.T from W in the packed layout (qgemm_repack); -3 where the selected variant has no such kernel. */

@@ -224,7 +224,7 @@ def targets() -> dict:
     """The targets by what this CPU has: a VNNI step (vpdpbusd) grows less with its rows than an AVX2 one."""
     from kernels import cpu_qgemm
 
-    vnni = cpu_qgemm.variant() in ("avxvnni", "avx512vnni")
+    vnni = cpu_qgemm.variant() in ("avxvnni", "avx512vnni", "amx")
     return {"continuous_over_static": 1.7 if vnni else 1.5, "continuous_over_sequential": 4.0}
 
 

@@ -95,8 +95,11 @@ def measure(backend_name: str, model: str, threads: int | None, repeats: int) ->
 
 def _worker(backend_name: str, model: str, threads: int | None, repeats: int) -> dict:
     cmd = [sys.executable, "-m", "edge_cli.bench.decode", backend_name, model, str(threads or 0), str(repeats)]
+    env = None
+    if "@" in backend_name:  # native@ISA: the integer kernels' variant held to ISA in that process
+        env = {**os.environ, "EDGE_RUNTIME_ISA": backend_name.split("@", 1)[1]}
     t = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise EdgeRuntimeError(f"bench worker for {backend_name} failed: {proc.stderr.strip()[-2000:]}")
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -153,9 +156,18 @@ def run_bench(args) -> int:
     import torch
 
     names = [b.strip() for b in (args.backends or "native,native-exact,llama.cpp").split(",") if b.strip()]
-    bad = [b for b in names if b not in KNOWN]
+    bad = [b for b in names if b not in KNOWN and not b.startswith("native@")]
     if bad or not names:
-        raise EdgeRuntimeError(f"--backends takes a comma-separated list of {', '.join(KNOWN)}, got {args.backends!r}")
+        raise EdgeRuntimeError(f"--backends takes a comma-separated list of {', '.join(KNOWN)} or native@ISA, "
+                               f"got {args.backends!r}")
+    for name in names:
+        if name.startswith("native@"):
+            from kernels import cpu_qgemm
+
+            isa = name.split("@", 1)[1]
+            if isa not in cpu_qgemm.supported():
+                raise EdgeRuntimeError(f"--backends {name}: this CPU cannot run the {isa!r} kernels; it runs: "
+                                       f"{', '.join(cpu_qgemm.supported())}")
     threads = args.threads or torch.get_num_threads()
     from edge_cli.bench.steps import read_bandwidth_gbs
 
@@ -168,7 +180,7 @@ def run_bench(args) -> int:
         # the timed runs measure a warm start.
         if args.repeats > 0 and name != "llama.cpp":
             _worker(name, args.model, threads, 0)
-        key = name.replace(".", "_").replace("-", "_")
+        key = name.replace(".", "_").replace("-", "_").replace("@", "_")
         res[key] = _worker(name, args.model, threads, args.repeats)
         keys.append(key)
     if "native" in res and "llama_cpp" in res:
@@ -189,7 +201,7 @@ def run_bench(args) -> int:
         if "native_exact" in res:
             res["int8_over_exact"] = {k: nat[f"{k}_tok_s"] / res["native_exact"][f"{k}_tok_s"]
                                       for k in ("decode", "prefill")}
-    step_targets = STEP_TARGETS["vnni" if res["isa"] in ("avxvnni", "avx512vnni") else "avx2"]
+    step_targets = STEP_TARGETS["vnni" if res["isa"] in ("avxvnni", "avx512vnni", "amx") else "avx2"]
     res["targets"] = {"decode_ratio": 1.5, "prefill_ratio": 1.3, "warm_start_to_first_token_s": 2.0,
                       "step_cost_ratio": step_targets, "verify_cost_ratio_4": step_targets["4"]}
     res["date"] = time.strftime("%Y-%m-%d %H:%M:%S")

@@ -26,6 +26,8 @@ layers onto the same interface later.
 """
 from __future__ import annotations
 
+import ctypes
+
 import glob
 import json
 import os
@@ -150,6 +152,16 @@ class Q8Head:
         self.n_in, self.n_vocab = head.dim, head_rows.shape[0]
         self.w_f = q8(head.w_f.weight) if head.taps else None
         self.g_f = head.g_f.detach().float().clone() if head.taps else None
+        # the whole step in one C call (kernels/cpu_decode.c: mtp_head_step): one parallel region on the
+        # model's threads, no Python between the GEMVs
+        self.lib = cpu_gemv.library()
+        parts = 1 + len(head.taps)
+        keep = (self.w_f if head.taps else self.w_in, self.w_in, self.w_gate_up, self.w_down, self.rows)
+        gains = (self.g_f.contiguous() if head.taps else self.g_h, self.g_h, self.g_e, self.g_m, self.g_o)
+        self._keep = keep + gains
+        self._w = (ctypes.c_void_p * 5)(*(t.data_ptr() for t in keep))
+        self._g = (ctypes.c_void_p * 5)(*(t.data_ptr() for t in gains))
+        self._dims = [self.n_in, self.hidden, self.n_vocab, parts]
 
     def __call__(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         if h.shape[-1] != self.n_in:  # the model's features: fused first (MtpHead.fuse)
@@ -163,6 +175,23 @@ class Q8Head:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.gemv("q8_0", self.rows, h, self.n_vocab)
+
+    def step(self, h: torch.Tensor, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`self(h, e)` and its `logits` in one C call: next states [F, dim], draft logits [F, n_vocab], F <= 8.
+        The same GEMVs; the norms are the C step's (decode_add_rmsnorm: a double sum), so the states agree
+        with the two calls' to float rounding, not bit for bit. Drafts only propose: this cannot change an
+        answer, only how many drafts verification accepts."""
+        from kernels import cpu_gemv
+
+        h, e = h.float().contiguous(), e.float().contiguous()
+        f = h.shape[0]
+        state, logits = torch.empty(f, self.n_in), torch.empty(f, self.n_vocab)
+        dims = (ctypes.c_int * 5)(*self._dims, cpu_gemv.threads())
+        rc = self.lib.mtp_head_step(f, dims, self.eps, self._w, self._g, h.data_ptr(), e.data_ptr(), state.data_ptr(),
+                                    logits.data_ptr())
+        if rc:
+            raise ValueError(f"mtp_head_step rejected its arguments (F={f}, h {tuple(h.shape)}): rc={rc}")
+        return state, logits
 
 
 class MtpDrafter:
@@ -207,8 +236,7 @@ class MtpDrafter:
         states [F, dim] and their draft-vocabulary logits [F, len(vocab)] (F <= 8 on the Q8 path)."""
         e = self.embed(torch.tensor(tokens)).reshape(len(tokens), -1)
         if self.fast is not None and len(tokens) <= 8:
-            h = self.fast(h, e)
-            return h, self.fast.logits(h)
+            return self.fast.step(h, e)
         h = self.head(h, e)
         return h, h @ self.head_rows.T
 

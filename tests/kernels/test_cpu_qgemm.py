@@ -181,7 +181,9 @@ def test_best_follows_the_cpu_flags():
     flags = cpu_gemv._cpu_flags()
     if not flags or "avx2" not in flags:
         pytest.skip("needs Linux x86-64 with AVX2")
-    if {"avx512_vnni", "avx512vl", "avx512bw"} <= flags:
+    if {"avx512_vnni", "avx512vl", "avx512bw", "amx_tile", "amx_int8"} <= flags:
+        assert cpu_qgemm.best() == "amx"  # the kernel lists amx_tile only where it can grant the tile state
+    elif {"avx512_vnni", "avx512vl", "avx512bw"} <= flags:
         assert cpu_qgemm.best() == "avx512vnni"
     elif "avx_vnni" in flags:
         assert cpu_qgemm.best() == "avxvnni"
@@ -219,24 +221,25 @@ def test_the_op_and_gguf_linear_follow_the_arith_setting():
 @pytest.mark.parametrize("kind,k", [("q4_0", 96), ("q4_0", 576), ("q4_1", 576), ("q4_1", 1536), ("q8_0", 96),
                                     ("q8_0", 576)])
 def test_the_packed_layout_gives_the_same_bits(kind, k, each_variant):
-    """repack + qgemm_packed (rows of W as SIMD lanes) equals the reference for every M and odd N (a short
-    last tile); variants without a packed kernel say so."""
+    """repack + qgemm_packed (rows of W as SIMD lanes) equals the reference for every M, odd N (a short
+    last tile; amx: a pair of tiles and a lone last one) and thread counts; variants without a packed
+    kernel say so."""
     rng = np.random.default_rng(k)
-    n = 29
-    w = random_rows(kind, n, k, rng)
-    packed = cpu_qgemm.repack(kind, torch.from_numpy(w), n, k)
-    assert packed.numel() == -(-n // 8) * 8 * (k // 32) * cpu_gemv.BLOCK[kind][1]  # same bytes per weight
     ran = []
-    for v in each_variant():
-        if not cpu_qgemm.packed_supported(kind):
-            with pytest.raises(ValueError, match="rc=-3"):
-                cpu_qgemm.qgemm_packed(kind, packed, torch.zeros(1, k), n)
-            continue
-        for m in (1, 2, 3, 8, 16, 21):
-            x = activations(m, k, rng)
-            got = cpu_qgemm.qgemm_packed(kind, packed, torch.from_numpy(x), n).numpy()
-            want = cpu_qgemm.reference_qgemm(kind, w, x, n)
-            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (v, m)
-        ran.append(v)
+    for n, threads in ((29, 2), (20, 1), (20, 3)):
+        w = random_rows(kind, n, k, rng)
+        packed = cpu_qgemm.repack(kind, torch.from_numpy(w), n, k)
+        assert packed.numel() == -(-n // 8) * 8 * (k // 32) * cpu_gemv.BLOCK[kind][1]  # same bytes per weight
+        for v in each_variant():
+            if not cpu_qgemm.packed_supported(kind):
+                with pytest.raises(ValueError, match="rc=-3"):
+                    cpu_qgemm.qgemm_packed(kind, packed, torch.zeros(1, k), n)
+                continue
+            for m in (1, 2, 3, 8, 16, 21):
+                x = activations(m, k, rng)
+                got = cpu_qgemm.qgemm_packed(kind, packed, torch.from_numpy(x), n, num_threads=threads).numpy()
+                want = cpu_qgemm.reference_qgemm(kind, w, x, n)
+                assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (v, n, threads, m)
+            ran.append(v)
     if platform.machine() in ("x86_64", "AMD64"):
         assert ran, "no x86 variant ran the packed kernel"

@@ -221,7 +221,7 @@ def test_rows_argmax_is_torch_argmax():
 
 def test_taps_leave_every_step_exact_and_report_the_tapped_layers(model_path, prose):
     """With `model.taps` the C step runs its layers in runs ending at each tapped layer: the logits and the
-    final states stay bit for bit those of one call (one-token step, batch, chunk), and the rows carry the
+    final states stay bit for bit those of one call (one-token step, batch, chunk, draft tree), and the rows carry the
     residual stream after those layers, as the readable torch path computes it."""
     from edge_runtime.model.tokenizer import Tokenizer
 
@@ -239,12 +239,14 @@ def test_taps_leave_every_step_exact_and_report_the_tapped_layers(model_path, pr
             one = model.fused.step(ids[30], 30, model.identity_table), model.last_hidden.clone()
             chunk = model.fused.step_chunk(ids[31:40], 31, model.identity_table), model.fused.chunk_hidden.clone()
             batch = model.fused.step_batch([ids[40]], [40], [model.identity_table]), model.fused.batch_hidden.clone()
-        return first + one + chunk + batch
+            tree = (model.fused.step_tree(ids[41:44], [-1, 0, 0], 41, [41, 42, 43], model.identity_table),
+                    model.fused.chunk_hidden.clone())  # a draft tree: a root and two children
+        return first + one + chunk + batch + tree
 
     plain, tapped = steps(()), steps(taps)
-    for i in (1, 3, 5):  # logits
+    for i in (1, 3, 5, 7):  # logits
         assert torch.equal(plain[i], tapped[i])
-    for i in (0, 2, 4, 6):  # the final states come first, then one dim per tap
+    for i in (0, 2, 4, 6, 8):  # the final states come first, then one dim per tap
         assert plain[i].shape[-1] == dim and tapped[i].shape[-1] == 3 * dim
         assert torch.equal(plain[i], tapped[i][..., :dim])
     cap = {}

@@ -138,3 +138,40 @@ def test_soft_loss_is_the_cross_entropy_against_the_models_own_distribution():
 def test_train_mtp_refuses_taps_and_losses_that_do_not_apply(args, message, capsys, tmp_path):
     assert main(["train-mtp", "--epochs", "0", "--data", str(tmp_path / "d")] + args) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("taps", [(), (20, 26)])
+def test_the_one_call_head_step_equals_the_per_gemv_path(native_backend, taps):
+    """Q8Head.step (kernels/cpu_decode.c: mtp_head_step, the whole draft step in one parallel region) computes
+    what Q8Head's separate GEMV calls and torch norms compute: the same Q8_0 GEMVs, norms that differ only in
+    float rounding, so states and logits agree closely and the chosen drafts agree; for 1 and 3 rows, on 1
+    and 2 threads, with and without fused taps. Drafts only propose, so this closeness (not bit-equality)
+    is all losslessness needs."""
+    from kernels import cpu_gemv
+
+    torch.manual_seed(0)
+    head = MtpHead(576, 1536, torch.arange(0, 8192, 2), taps=taps)
+    for p in head.parameters():
+        torch.nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.1 if p.dim() == 1 else 0.03)
+    drafter = MtpDrafter(head, native_backend.model.embedding)
+    fast = drafter.fast
+    old = cpu_gemv.threads()
+    try:
+        for threads in (1, 2):
+            cpu_gemv.set_num_threads(threads)
+            for f in (1, 3):
+                h = torch.randn(f, (1 + len(taps)) * 576) * 3
+                e = native_backend.model.embedding(torch.tensor([100, 2000, 30000][:f])).reshape(f, 576).float()
+                state, logits = fast.step(h, e)
+                ref_state = fast(h, e)
+                ref_logits = fast.logits(ref_state)
+                assert torch.allclose(state, ref_state, rtol=1e-4, atol=1e-4), (threads, f)
+                assert torch.allclose(logits, ref_logits, rtol=1e-3, atol=1e-3), (threads, f)
+                assert logits.argmax(-1).tolist() == ref_logits.argmax(-1).tolist()
+                with torch.inference_mode():  # and the fp32 head itself, to its Q8_0 weights' rounding
+                    full = head(h, e) @ drafter.head_rows.T
+                assert torch.nn.functional.cosine_similarity(logits, full).min() > 0.99
+    finally:
+        cpu_gemv.set_num_threads(old)
+    with pytest.raises(ValueError, match="mtp_head_step rejected"):
+        fast.step(torch.randn(9, (1 + len(taps)) * 576), torch.randn(9, 576))  # more rows than one call takes
