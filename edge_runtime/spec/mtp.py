@@ -184,9 +184,12 @@ class Q8Head:
         from kernels import cpu_gemv
 
         h, e = h.float().contiguous(), e.float().contiguous()
-        f = h.shape[0]
+        f, parts = h.shape[0], self._dims[3] if h.shape[-1] != self.n_in else 1  # later steps: the head's own state
+        if h.shape[-1] != parts * self.n_in or e.shape != (f, self.n_in):
+            raise ValueError(f"the head step reads h [F, {self.n_in}] or [F, {self._dims[3] * self.n_in}] and "
+                             f"e [F, {self.n_in}], got {tuple(h.shape)} and {tuple(e.shape)}")
         state, logits = torch.empty(f, self.n_in), torch.empty(f, self.n_vocab)
-        dims = (ctypes.c_int * 5)(*self._dims, cpu_gemv.threads())
+        dims = (ctypes.c_int * 5)(*self._dims[:3], parts, cpu_gemv.threads())
         rc = self.lib.mtp_head_step(f, dims, self.eps, self._w, self._g, h.data_ptr(), e.data_ptr(), state.data_ptr(),
                                     logits.data_ptr())
         if rc:

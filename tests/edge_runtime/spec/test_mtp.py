@@ -171,7 +171,14 @@ def test_the_one_call_head_step_equals_the_per_gemv_path(native_backend, taps):
                 with torch.inference_mode():  # and the fp32 head itself, to its Q8_0 weights' rounding
                     full = head(h, e) @ drafter.head_rows.T
                 assert torch.nn.functional.cosine_similarity(logits, full).min() > 0.99
+                # the steps after the first read the head's own state (no taps to fuse)
+                state2, logits2 = fast.step(state, e)
+                ref2 = fast(ref_state, e)
+                assert torch.allclose(state2, ref2, rtol=1e-3, atol=1e-3), (threads, f)
+                assert logits2.argmax(-1).tolist() == fast.logits(ref2).argmax(-1).tolist()
     finally:
         cpu_gemv.set_num_threads(old)
     with pytest.raises(ValueError, match="mtp_head_step rejected"):
         fast.step(torch.randn(9, (1 + len(taps)) * 576), torch.randn(9, 576))  # more rows than one call takes
+    with pytest.raises(ValueError, match="the head step reads"):
+        fast.step(torch.randn(1, 2 * 576 + 32), torch.randn(1, 576))
