@@ -199,26 +199,32 @@ def test_the_mlp_heads_curve_follows_from_its_chain_accuracy(committed):
 
 
 def test_the_tapped_heads_figures_follow_from_their_chain_accuracy_and_are_the_shipped_heads(committed, native_backend):
-    """bench-results/mtp-train-taps.json (`train-mtp --taps 20,26 --curve 2000 --json`, soft loss): each figure
-    recomputed from its chain accuracy, the heads it wrote are the shipped ones (their metadata carries its
-    last point), and the page shows it."""
+    """bench-results/mtp-train-taps.json (`train-mtp --taps 20,26 --epochs 2 --curve 2000 --json`, soft loss) and
+    mtp-train-taps-4ep.json (the same data, 4 epochs): each figure recomputed from its chain accuracy; the
+    4-epoch run wrote the shipped heads (their metadata carries its last point) and measured the 2-epoch
+    heads it replaced (the 2-epoch run's last point) on the same answers; the page shows both."""
     import json
 
     from edge_cli.train_mtp import expected_accepted
     from edge_runtime.spec.mtp import MtpHead, find_heads
 
     page, sections, _ = committed
-    d = _json("mtp-train-taps.json")
-    assert d["taps"] == [20, 26] and d["loss"] == "soft" and d["arch"] == "mlp"
-    for h in (*d["curve"], d["mlp_shipped_before"]):
-        assert len(h["chain_accuracy"]) == 4 and all(0 <= a <= 1 for a in h["chain_accuracy"])
-        assert h["expected_accepted_k3"] == pytest.approx(expected_accepted(h["chain_accuracy"], 3), abs=1e-9)
-        assert 1 <= h["mean_accepted_k3"] <= 4 and len(h["acceptance_per_position"]) == 3
+    d, d4 = _json("mtp-train-taps.json"), _json("mtp-train-taps-4ep.json")
+    for run in (d, d4):
+        assert run["taps"] == [20, 26] and run["loss"] == "soft" and run["arch"] == "mlp"
+        for h in (*run["curve"], run["mlp_shipped_before"]):
+            assert len(h["chain_accuracy"]) == 4 and all(0 <= a <= 1 for a in h["chain_accuracy"])
+            assert h["expected_accepted_k3"] == pytest.approx(expected_accepted(h["chain_accuracy"], 3), abs=1e-9)
+            assert 1 <= h["mean_accepted_k3"] <= 4 and len(h["acceptance_per_position"]) == 3
+        assert f"{run['curve'][-1]['mean_accepted_k3']:.3g}" in page
     tokens = [c["train_answer_tokens"] for c in d["curve"]]
     assert len(tokens) >= 2 and tokens == sorted(tokens) and tokens[-1] == d["generation"]["answer_tokens"]
+    assert d4["curve"][-1]["train_answer_tokens"] == tokens[-1]  # the same data, twice the epochs
+    # the heads it replaced, replayed on the same MT-Bench answers, measure what they measured when written
+    assert d4["mlp_shipped_before"]["mean_accepted_k3"] == pytest.approx(d["curve"][-1]["mean_accepted_k3"], abs=0.005)
     head, meta = MtpHead.load(find_heads(native_backend))
     training = json.loads(meta["training"])
     assert head.taps == (20, 26) and training["loss"] == "soft" and training["taps"] == [20, 26]
-    assert training["mt_bench_tokens_per_verification_k3"] == round(d["curve"][-1]["mean_accepted_k3"], 4)
+    assert training["epochs"] == 4
+    assert training["mt_bench_tokens_per_verification_k3"] == round(d4["curve"][-1]["mean_accepted_k3"], 4)
     assert any(s.kind == "mtp-curve" and "taps 20,26" in s.title for s in sections)
-    assert f"{d['curve'][-1]['mean_accepted_k3']:.3g}" in page
