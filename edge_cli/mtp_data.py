@@ -19,8 +19,10 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import time
 
+import numpy as np
 import torch
 
 from edge_runtime import DATA_DIR
@@ -211,21 +213,24 @@ def build_dataset(backend, out_path: str, num_prompts: int | None = None, max_to
 
 def first_prompts(data: dict, n: int) -> dict:
     """`data` cut to the answers to its first `n` prompts (its records run temperature by temperature)."""
-    P, T = data["prompts"], len(data["temperatures"])
-    return {**data, "prompts": n, "records": [data["records"][t * P + i] for t in range(T) for i in range(n)]}
+    P, T, recs = data["prompts"], len(data["temperatures"]), data["records"]
+    return {**data, "prompts": n, "records": [recs[t * P + i] for t in range(T) for i in range(n) if t * P + i < len(recs)]}
 
 
 def build_shards(backend, out_dir: str, num_prompts: int | None = None, max_tokens: int = 160,
                  temperatures: tuple = (0.0, 0.8), seed: int = 0, shard_jobs: int = 256, batch: int = 16,
-                 progress=print, untapped: str | None = None) -> dict:
+                 progress=print, donors: tuple[str, ...] = (), limit: int | None = None) -> dict:
     """Answers to the large set, in shards of `shard_jobs` answers (`shard-00000.pt` ...), for data at scale.
 
     Resumable: a shard already on disk is kept (each is written whole, then renamed), so the command can be
     stopped and run again, on this machine or another, and goes on where it was; `settings.json` records what
     the shards are answers to, and a folder made with other settings is refused. Returns the settings with
     the number of shards and answer tokens on disk. With `backend.model.taps` the hidden rows carry those
-    layers too; a shard that `untapped` (the folder of the same answers without taps) holds is then
-    recomputed from it (`add_taps`, a few times faster than answering again) rather than generated."""
+    layers too. A shard whose jobs one of the `donors` folders already answered (same model, seed, answer
+    length and shard size; another prompt count whose job list holds the same jobs at that place) is taken
+    from there rather than generated: copied when the donor has the same taps, recomputed from its answers
+    (`add_taps`, a few times faster than answering) when the donor has none. `limit`: make the first `limit`
+    shards only (a data size that is a prefix of the job list; the rest can follow in a later run)."""
     taps = list(backend.model.taps)
     prompts = large_prompts(seed)[:num_prompts]
     jobs = _jobs(prompts, temperatures)
@@ -245,19 +250,22 @@ def build_shards(backend, out_dir: str, num_prompts: int | None = None, max_toke
         with open(path, "w", encoding="utf-8") as f:
             json.dump(settings, f, indent=1)
     shards = -(-len(jobs) // shard_jobs)
-    same = False  # does `untapped` hold these answers without the taps?
-    if taps and untapped and os.path.exists(os.path.join(untapped, "settings.json")):
-        with open(os.path.join(untapped, "settings.json"), encoding="utf-8") as f:
-            same = json.load(f) == {k: v for k, v in settings.items() if k != "taps"}
-    for k in range(shards):
+    donor_jobs = _donors(settings, donors, out_dir)
+    for k in range(min(shards, limit or shards)):
         name = os.path.join(out_dir, f"shard-{k:05d}.pt")
         if os.path.exists(name):
             continue
         part = jobs[k * shard_jobs:(k + 1) * shard_jobs]
         t0 = time.time()
-        source = os.path.join(untapped, f"shard-{k:05d}.pt") if same else None
-        if source and os.path.exists(source):
-            done = torch.load(source)
+        source = next(((f, t) for f, t, dj in donor_jobs if os.path.exists(os.path.join(f, os.path.basename(name)))
+                       and dj[k * shard_jobs:(k + 1) * shard_jobs] == part), None)
+        if source and source[1] == taps:  # the same answers with the same features: copied
+            shutil.copyfile(os.path.join(source[0], os.path.basename(name)), name + ".tmp")
+            os.replace(name + ".tmp", name)
+            progress(f"  shard {k + 1}/{shards}: copied from {source[0]}")
+            continue
+        if source:
+            done = torch.load(os.path.join(source[0], os.path.basename(name)))
             records = add_taps(backend, part, done["records"], max_tokens)
             meta = {"seconds": done["seconds"], "tap_seconds": time.time() - t0}  # answering, then the taps
         else:
@@ -269,14 +277,64 @@ def build_shards(backend, out_dir: str, num_prompts: int | None = None, max_toke
     return {**settings, "shards": shards}
 
 
-def load_shards(out_dir: str) -> dict:
+def _donors(settings: dict, folders, out_dir: str) -> list[tuple[str, list, list]]:
+    """(folder, its taps, its job list) for each of `folders` whose shards can stand in for ours: made for the
+    same model, seed, temperatures, answer length and shard size, with our taps or none (to add ours to)."""
+    fixed = {k: v for k, v in settings.items() if k not in ("prompts", "taps")}
+    out = []
+    for folder in folders:
+        path = os.path.join(folder, "settings.json")
+        if os.path.abspath(folder) == os.path.abspath(out_dir) or not os.path.exists(path):
+            continue
+        with open(path, encoding="utf-8") as f:
+            other = json.load(f)
+        taps = other.get("taps", [])
+        if {k: v for k, v in other.items() if k not in ("prompts", "taps")} == fixed and taps in ([], settings.get("taps", [])):
+            prompts = large_prompts(settings["seed"])[:other["prompts"]]
+            out.append((folder, taps, _jobs(prompts, tuple(settings["temperatures"]))))
+    return sorted(out, key=lambda d: d[1] != settings.get("taps", []))  # copies first
+
+
+def load_shards(out_dir: str, limit: int | None = None) -> dict:
     """Every shard in `out_dir` as one dataset (the records of the shards present, in job order), with
     `generation_seconds`: the time the shards took to make (summed over the runs that made them), and
-    `tap_seconds`: the time spent adding taps to answers made without them (`add_taps`)."""
+    `tap_seconds`: the time spent adding taps to answers made without them (`add_taps`).
+
+    The hidden rows are not held in memory: the shards' rows are copied once into `flat.f16` (fp16 [R, W],
+    appended to as shards are added; `flat.pt` indexes it) and memory-mapped, so millions of positions train
+    on a machine with less memory than they take. `flat` is that store; each record's "hidden" is a view of
+    it and "row" its first row there (`train_mtp.flatten`). `limit`: the records of the first `limit` shards."""
     with open(os.path.join(out_dir, "settings.json"), encoding="utf-8") as f:
         settings = json.load(f)
     names = sorted(n for n in os.listdir(out_dir) if n.startswith("shard-") and n.endswith(".pt"))
-    shards = [torch.load(os.path.join(out_dir, n)) for n in names]
-    return {**settings, "records": [r for s in shards for r in s["records"]], "shards_present": len(names),
-            "generation_seconds": sum(s.get("seconds", 0.0) for s in shards),
-            "tap_seconds": sum(s.get("tap_seconds", 0.0) for s in shards)}
+    index_path, flat_path = os.path.join(out_dir, "flat.pt"), os.path.join(out_dir, "flat.f16")
+    index = torch.load(index_path) if os.path.exists(index_path) else None
+    if (index is None or index["names"] != names[:len(index["names"])] or not os.path.exists(flat_path)
+            or os.path.getsize(flat_path) < 2 * index["rows"] * index["width"]):
+        index = {"names": [], "rows": 0, "width": 0, "records": [], "counts": [], "seconds": [], "tap_seconds": []}
+    if names[len(index["names"]):]:
+        with open(flat_path, "r+b" if index["names"] else "wb") as f:
+            f.seek(2 * index["rows"] * index["width"])
+            f.truncate()  # what a run stopped while appending left past the indexed rows
+            for n in names[len(index["names"]):]:
+                shard = torch.load(os.path.join(out_dir, n))
+                for r in shard["records"]:
+                    f.write(r["hidden"].to(torch.float16).contiguous().numpy().tobytes())
+                    index["width"] = r["hidden"].shape[1]
+                    index["records"].append({"tokens": r["tokens"], "greedy": r["greedy"], "row": index["rows"]})
+                    index["rows"] += len(r["tokens"])
+                index["names"].append(n)
+                index["counts"].append(len(shard["records"]))
+                index["seconds"].append(shard.get("seconds", 0.0))
+                index["tap_seconds"].append(shard.get("tap_seconds", 0.0))
+        torch.save(index, index_path + ".tmp")
+        os.replace(index_path + ".tmp", index_path)
+    if index["rows"]:
+        flat = torch.from_numpy(np.memmap(flat_path, dtype=np.float16, mode="c", shape=(index["rows"], index["width"])))
+    else:
+        flat = torch.zeros(0, index["width"], dtype=torch.float16)
+    n = min(len(names), limit or len(names))
+    records = [{**r, "hidden": flat[r["row"]:r["row"] + len(r["tokens"])]}
+               for r in index["records"][:sum(index["counts"][:n])]]
+    return {**settings, "records": records, "flat": flat, "shards_present": n,
+            "generation_seconds": sum(index["seconds"][:n]), "tap_seconds": sum(index["tap_seconds"][:n])}

@@ -132,11 +132,12 @@ def mt_bench_records(backend, n: int = 80, max_tokens: int = 128, path: str | No
 
 def mlp_chain_accuracy(head, records: list[dict], backend) -> list[float]:
     """The shipped `MtpHead`'s chain accuracy on `records`, measured the same way."""
-    from edge_cli.train_mtp import accuracy, examples
+    from edge_cli.train_mtp import accuracy, examples, flatten
 
     emb_table = embedding_table(backend)
-    h, toks, tgts = examples(records, head.depth, draft_index(head.vocab, len(emb_table)))
-    return accuracy(head, emb_table, emb_table[head.vocab].contiguous(), h, toks, tgts)
+    flat, starts = flatten(records)
+    rows, toks, tgts = examples(records, head.depth, draft_index(head.vocab, len(emb_table)), starts)
+    return accuracy(head, emb_table, emb_table[head.vocab].contiguous(), flat[rows], toks, tgts)
 
 
 MT_BENCH_TOKENS = 128  # the MT-Bench answers' length, as `bench spec --spec-tokens` by default
@@ -236,7 +237,8 @@ def mlp_curve(data: dict, backend, args):
     for part, tokens in _sizes(data, args.curve):
         t0 = time.time()
         head, report = train(part, backend, depth=args.depth, hidden=args.hidden, draft_vocab=args.draft_vocab,
-                             epochs=args.epochs, seed=args.seed, loss=args.loss or "soft")
+                             epochs=args.epochs, seed=args.seed, loss=args.loss or "soft",
+                             precision=args.precision or "fp32")
         seconds = round(time.time() - t0)
         f = mlp_figures(head, bench, backend)
         curve.append({"prompts": part.get("prompts"), "train_answer_tokens": tokens, "train_seconds": seconds,

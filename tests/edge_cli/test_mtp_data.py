@@ -43,6 +43,25 @@ def test_shards_resume_where_they_stopped_and_refuse_other_settings(tmp_path, na
         build_shards(native_backend, folder, num_prompts=3, max_tokens=7, shard_jobs=2, progress=lambda m: None)
 
 
+def test_shards_another_prompt_count_already_answered_are_copied_not_answered_again(tmp_path, native_backend):
+    """Jobs run temperature by temperature, so 3 prompts and 4 share the first shard (the greedy answers to
+    prompts 0 and 1) and no other: a run for 4 copies that one from the folder for 3 and answers the rest."""
+    three, four, other = (str(tmp_path / n) for n in ("three", "four", "other"))
+    build_shards(native_backend, three, num_prompts=3, max_tokens=6, shard_jobs=2, progress=lambda m: None)
+    build_shards(native_backend, other, num_prompts=4, max_tokens=5, shard_jobs=2, progress=lambda m: None)
+    said = []
+    made = build_shards(native_backend, four, num_prompts=4, max_tokens=6, shard_jobs=2, progress=said.append,
+                        donors=[three, other, four])
+    assert made["shards"] == 4 and len(said) == 4
+    assert said[0].endswith(f"copied from {three}") and not any("copied" in m for m in said[1:])
+    with open(os.path.join(three, "shard-00000.pt"), "rb") as a, open(os.path.join(four, "shard-00000.pt"), "rb") as b:
+        assert a.read() == b.read()
+    fresh = str(tmp_path / "fresh")  # the copy equals answering those jobs
+    build_shards(native_backend, fresh, num_prompts=4, max_tokens=6, shard_jobs=2, progress=lambda m: None)
+    for x, y in zip(load_shards(four)["records"], load_shards(fresh)["records"]):
+        assert torch.equal(x["tokens"], y["tokens"]) and torch.equal(x["hidden"], y["hidden"])
+
+
 def test_the_vendored_mt_bench_file_is_read_and_a_missing_one_is_a_one_line_error(tmp_path, monkeypatch, capsys):
     from edge_cli.bench import spec
     from edge_cli.main import main
@@ -74,7 +93,7 @@ def test_taps_recomputed_from_untapped_shards_equal_answering_with_taps_on(tmp_p
     try:
         model.taps = (3, 20)
         derived = build_shards(native_backend, str(tmp_path / "derived"), num_prompts=2, max_tokens=6,
-                               shard_jobs=2, progress=lambda m: None, untapped=plain)
+                               shard_jobs=2, progress=lambda m: None, donors=[plain])
         fresh = build_shards(native_backend, str(tmp_path / "fresh"), num_prompts=2, max_tokens=6, shard_jobs=2,
                              progress=lambda m: None)
     finally:
@@ -97,3 +116,43 @@ def test_taps_recomputed_from_untapped_shards_equal_answering_with_taps_on(tmp_p
             add_taps(native_backend, _jobs(large_prompts(0)[:2], (0.0, 0.8))[:1], bad, 6)
     finally:
         model.taps = kept
+
+
+def test_loaded_shards_map_their_rows_from_one_store_that_grows_with_the_shards(tmp_path, native_backend):
+    """`load_shards` copies the shards' hidden rows once into `flat.f16` and maps it: each record's rows equal
+    the shard's, a shard added later is appended (the rows already there are not rewritten), and bytes a run
+    stopped while appending left past the index are cut off."""
+    folder = str(tmp_path / "shards")
+    build_shards(native_backend, folder, num_prompts=2, max_tokens=5, shard_jobs=1, progress=lambda m: None)
+    os.remove(os.path.join(folder, "shard-00003.pt"))
+    three = load_shards(folder)
+    path = os.path.join(folder, "flat.f16")
+    rows = sum(len(r["tokens"]) for r in three["records"])
+    assert three["flat"].shape == (rows, 576) and os.path.getsize(path) == rows * 576 * 2
+    with open(path, "ab") as f:
+        f.write(b"left by a stopped run")
+    build_shards(native_backend, folder, num_prompts=2, max_tokens=5, shard_jobs=1, progress=lambda m: None)
+    four = load_shards(folder)
+    assert four["shards_present"] == 4 and len(four["records"]) == 4
+    assert os.path.getsize(path) == 2 * 576 * sum(len(r["tokens"]) for r in four["records"])
+    for n, r in zip(sorted(x for x in os.listdir(folder) if x.startswith("shard-")), four["records"]):
+        (want,) = torch.load(os.path.join(folder, n))["records"]
+        assert torch.equal(r["hidden"], want["hidden"]) and torch.equal(r["tokens"], want["tokens"])
+        assert torch.equal(four["flat"][r["row"]:r["row"] + len(r["tokens"])], want["hidden"])
+    assert [r["row"] for r in four["records"][:3]] == [r["row"] for r in three["records"]]
+    two = load_shards(folder, limit=2)  # the first shards' records only, from the same store
+    assert two["shards_present"] == 2 and [r["row"] for r in two["records"]] == [r["row"] for r in four["records"][:2]]
+    assert two["generation_seconds"] < four["generation_seconds"]
+    part = str(tmp_path / "part")
+    build_shards(native_backend, part, num_prompts=2, max_tokens=5, shard_jobs=1, progress=lambda m: None, limit=2)
+    assert sorted(n for n in os.listdir(part) if n.startswith("shard-")) == ["shard-00000.pt", "shard-00001.pt"]
+    from edge_cli.train_mtp import train  # heads trained from the mapped store equal heads trained in memory
+
+    loaded = {**{k: v for k, v in four.items() if k != "flat"},
+              "records": [torch.load(os.path.join(folder, f"shard-{k:05d}.pt"))["records"][0] for k in range(4)]}
+    kw = dict(depth=2, hidden=32, draft_vocab=64, epochs=1, batch=4, progress=lambda m: None)
+    (a, ra), (b, rb) = train(four, native_backend, **kw), train(loaded, native_backend, **kw)
+    assert ra == rb and all(torch.equal(v, b.state_dict()[k]) for k, v in a.state_dict().items())
+    c, rc = train(four, native_backend, **kw, precision="bf16")  # bf16 products: trains, other rounding
+    assert rc["precision"] == "bf16" and rc["positions"] == ra["positions"]
+    assert any(not torch.equal(v, c.state_dict()[k]) for k, v in a.state_dict().items() if v.is_floating_point())

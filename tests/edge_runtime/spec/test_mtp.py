@@ -114,12 +114,15 @@ def test_heads_with_taps_save_load_and_draft_from_the_models_features(tmp_path, 
 
 
 def test_soft_loss_is_the_cross_entropy_against_the_models_own_distribution():
-    from edge_cli.train_mtp import next_states, soft_loss
+    from edge_cli.train_mtp import flatten, next_states, soft_loss
 
     torch.manual_seed(0)
     recs = [{"tokens": torch.arange(n), "hidden": torch.randn(n, 8).half()} for n in (5, 1, 3)]
-    states, idx = next_states(recs, 2, 8)
-    assert states.shape == (8, 8) and idx.tolist() == [[1, 2], [2, 3], [3, 4], [4, -1], [6, 7], [7, -1]]
+    states, starts = flatten(recs)
+    idx = next_states(recs, 2, starts)
+    assert states.shape == (9, 8) and starts == [0, 5, 6]
+    assert idx.tolist() == [[1, 2], [2, 3], [3, 4], [4, -1], [7, 8], [8, -1]]
+    assert torch.equal(states[7], recs[2]["hidden"][1])
     rows, logits, w = torch.randn(6, 8), torch.randn(6, 2, 6), torch.tensor([1.0, 0.8])
     want = 0.0
     for j in range(2):
@@ -134,6 +137,9 @@ def test_soft_loss_is_the_cross_entropy_against_the_models_own_distribution():
     (["--taps", "20"], "--taps applies to the MLP heads"),  # the small set
     (["--prompt-set", "large", "--taps", "30"], "--taps must be layers 0..29"),
     (["--arch", "attention", "--loss", "soft"], "--loss applies to the MLP heads"),
+    (["--arch", "attention", "--precision", "bf16"], "--precision applies to the MLP heads"),
+    (["--shards", "3"], "--shards applies to --prompt-set large"),  # the small set is one file
+    (["--prompt-set", "large", "--shards", "0"], "must be at least 1"),
 ])
 def test_train_mtp_refuses_taps_and_losses_that_do_not_apply(args, message, capsys, tmp_path):
     assert main(["train-mtp", "--epochs", "0", "--data", str(tmp_path / "d")] + args) == 2
