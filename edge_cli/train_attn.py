@@ -248,12 +248,14 @@ def mlp_curve(data: dict, backend, args):
                    "mt_bench_tokens_per_verification_k3": round(f["mean_accepted_k3"], 4),
                    "mt_bench_acceptance_per_position_k3": [round(a, 4) for a in f["acceptance_per_position"]]})
     seconds = data.get("generation_seconds")
-    generation = {"answers": len(data["records"]), "prompts": data.get("prompts"), "answer_tokens": curve[-1]["train_answer_tokens"],
+    generation = {"answers": len(data["records"]), "prompts": data.get("prompts"), "shards": data.get("shards_present"),
+                  "answer_tokens": curve[-1]["train_answer_tokens"],
                   "tap_seconds": data.get("tap_seconds"),
                   "temperatures": data.get("temperatures"), "max_tokens": data.get("max_tokens"), "seconds": seconds,
                   "tokens_per_s": curve[-1]["train_answer_tokens"] / seconds if seconds else None}
     figures = {"benchmark": "mtp-train-curve", "arch": "mlp", "taps": list(backend.model.taps),
-               "loss": args.loss or "soft", "generation": generation, "curve": curve,
+               "loss": args.loss or "soft", "epochs": args.epochs, "precision": args.precision or "fp32",
+               "generation": generation, "curve": curve,
                "mt_bench_answers": len(bench), "mt_bench_answer_tokens": sum(len(r["tokens"]) for r in bench),
                "mlp_shipped_before": before,
                "targets": {"mean_accepted_k3": 2.5}, "machine": where}

@@ -290,6 +290,7 @@ def _mtp_curve(d):
     curve = sorted(d.get("curve") or [], key=lambda c: c["train_answer_tokens"])
     gen, before, target = d.get("generation") or {}, d.get("mlp_shipped_before") or {}, _target(d, "mean_accepted_k3")
     recipe = (f"taps {','.join(map(str, d['taps']))}, " if d.get("taps") else "") + f"{d.get('loss', 'hard')} loss"
+    recipe += (f", {d['epochs']} epochs" if d.get("epochs") else "") + (", bf16" if d.get("precision") == "bf16" else "")
     fig, axs = _fig(1, f"MLP draft heads ({recipe}) by training data, offline on {d.get('mt_bench_answers', '?')} "
                        f"MT-Bench answers ({_num(d.get('mt_bench_answer_tokens'))} tokens)")
     axs[0].plot([c["train_answer_tokens"] for c in curve], [_k3(c) for c in curve], "o-", color=OURS, label="MLP heads")

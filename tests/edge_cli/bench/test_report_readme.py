@@ -228,3 +228,26 @@ def test_the_tapped_heads_figures_follow_from_their_chain_accuracy_and_are_the_s
     assert training["epochs"] == 4
     assert training["mt_bench_tokens_per_verification_k3"] == round(d4["curve"][-1]["mean_accepted_k3"], 4)
     assert any(s.kind == "mtp-curve" and "taps 20,26" in s.title for s in sections)
+
+
+def test_the_heads_of_two_and_a_half_million_tokens_are_measured_against_the_shipped_ones(committed):
+    """bench-results/mtp-train-taps-large.json (`train-mtp --prompt-set large --prompts 0 --taps 20,26 --shards 71
+    --epochs 2 --precision bf16 --json`): its figures recomputed from their chain accuracy and its generation
+    rate from its tokens and time; it measured the shipped heads (the 4-epoch run's) on the same MT-Bench answers
+    as that run did, trained on more than twice their tokens, and the page shows it."""
+    from edge_cli.train_mtp import expected_accepted
+
+    page, sections, _ = committed
+    d, d4 = _json("mtp-train-taps-large.json"), _json("mtp-train-taps-4ep.json")
+    assert d["taps"] == [20, 26] and d["loss"] == "soft" and d["precision"] == "bf16" and d["epochs"] == 2
+    for h in (*d["curve"], d["mlp_shipped_before"]):
+        assert h["expected_accepted_k3"] == pytest.approx(expected_accepted(h["chain_accuracy"], 3), abs=1e-9)
+        assert 1 <= h["mean_accepted_k3"] <= 4 and len(h["acceptance_per_position"]) == 3
+    # the shipped heads (saved in fp16) replayed on the same answers measure what they measured when trained
+    assert d["mlp_shipped_before"]["mean_accepted_k3"] == pytest.approx(d4["curve"][-1]["mean_accepted_k3"], abs=0.005)
+    gen = d["generation"]
+    assert gen["shards"] == 71 and gen["answers"] == 71 * 256  # 71 whole shards of 256 answers
+    assert gen["answer_tokens"] == d["curve"][-1]["train_answer_tokens"] > 2 * d4["curve"][-1]["train_answer_tokens"]
+    assert gen["tokens_per_s"] == pytest.approx(gen["answer_tokens"] / gen["seconds"])
+    assert any(s.kind == "mtp-curve" and "bf16" in s.title for s in sections)
+    assert f"{d['curve'][-1]['mean_accepted_k3']:.3g}" in page
