@@ -252,20 +252,21 @@ def build_shards(backend, out_dir: str, num_prompts: int | None = None, max_toke
     shards = -(-len(jobs) // shard_jobs)
     donor_jobs = _donors(settings, donors, out_dir)
     for k in range(min(shards, limit or shards)):
-        name = os.path.join(out_dir, f"shard-{k:05d}.pt")
+        base = f"shard-{k:05d}.pt"
+        name = os.path.join(out_dir, base)
         if os.path.exists(name):
             continue
         part = jobs[k * shard_jobs:(k + 1) * shard_jobs]
         t0 = time.time()
-        source = next(((f, t) for f, t, dj in donor_jobs if os.path.exists(os.path.join(f, os.path.basename(name)))
-                       and dj[k * shard_jobs:(k + 1) * shard_jobs] == part), None)
+        source = next(((os.path.join(f, base), t) for f, t, dj in donor_jobs
+                       if os.path.exists(os.path.join(f, base)) and dj[k * shard_jobs:(k + 1) * shard_jobs] == part), None)
         if source and source[1] == taps:  # the same answers with the same features: copied
-            shutil.copyfile(os.path.join(source[0], os.path.basename(name)), name + ".tmp")
+            shutil.copyfile(source[0], name + ".tmp")
             os.replace(name + ".tmp", name)
-            progress(f"  shard {k + 1}/{shards}: copied from {source[0]}")
+            progress(f"  shard {k + 1}/{shards}: copied from {os.path.dirname(source[0])}")
             continue
         if source:
-            done = torch.load(os.path.join(source[0], os.path.basename(name)))
+            done = torch.load(source[0])
             records = add_taps(backend, part, done["records"], max_tokens)
             meta = {"seconds": done["seconds"], "tap_seconds": time.time() - t0}  # answering, then the taps
         else:
