@@ -7,9 +7,11 @@ Two workloads, greedy, `--spec-tokens` tokens per answer, chat template on:
 
 Per prompt every configuration runs back to back (so drifts of the machine hit all alike):
 native plain, native MTP at a fixed k = `--draft-k` (acceptance figures), native MTP with the
-adaptive draft length (what `--draft mtp` gives), draft trees of a fixed `--tree-size` drafts (tree
+adaptive draft length (what `--draft mtp` gives), the heads with prompt lookup at the fixed k
+(`--draft mtp-ngram`'s acceptance figures; MT-Bench only), draft trees of a fixed `--tree-size` drafts (tree
 acceptance figures) and of the adaptive size (what `--draft mtp-tree` gives; MT-Bench only), n-gram
-on both engines, `--draft auto` (the default: n-gram, else trees where they pay), and llama.cpp plain
+on both engines, `--draft auto` (the default: `mtp-ngram` with the adaptive length where heads ship,
+else n-gram), and llama.cpp plain
 on the same GGUF with the same threads, in a worker process of its own (`LlamaWorker`: in this
 process llama.cpp's OpenMP threads would share libgomp with the native engine's, whose second thread
 pool puts libgomp's spin-waits into their throttled, near-passive mode: llama.cpp then decodes 3-4x
@@ -188,7 +190,8 @@ def run_spec_bench(args) -> int:
     llama = _Rows(worker)
     has_mtp = find_heads(native) is not None
     n_tok, k, tree = args.spec_tokens, args.draft_k, args.tree_size
-    mt = {name: Tally() for name in ("plain", "mtp_k", "mtp", "tree_k", "tree", "ngram", "auto", "llama_plain")}
+    mt = {name: Tally() for name in ("plain", "mtp_k", "mtp", "mtp_ngram_k", "tree_k", "tree", "ngram", "auto",
+                                     "llama_plain")}
     gr = {name: Tally() for name in ("plain", "ngram", "mtp", "auto", "llama_plain", "llama_ngram")}
     t0 = time.time()
     for i, q in enumerate(questions):
@@ -196,6 +199,7 @@ def run_spec_bench(args) -> int:
         if has_mtp:
             _run(native, "mtp", k, q, n_tok, mt["mtp_k"])
             _run(native, "mtp", None, q, n_tok, mt["mtp"])
+            _run(native, "mtp-ngram", k, q, n_tok, mt["mtp_ngram_k"])
             _run(native, "mtp-tree", tree, q, n_tok, mt["tree_k"])
             _run(native, "mtp-tree", None, q, n_tok, mt["tree"])
         _run(native, "ngram", None, q, n_tok, mt["ngram"])
@@ -230,6 +234,9 @@ def run_spec_bench(args) -> int:
     res["ngram.speedup_over_plain_grounded"] = round(ng["tok_s"] / gplain["tok_s"], 3)
     res["auto.speedup_over_plain"] = round(res["mt_bench"]["native_auto"]["tok_s"] / plain["tok_s"], 3)
     res["auto.speedup_over_plain_grounded"] = round(res["grounded"]["native_auto"]["tok_s"] / gplain["tok_s"], 3)
+    res["auto.speedup_over_llama_cpp"] = round(res["mt_bench"]["native_auto"]["tok_s"] / lplain["tok_s"], 3)
+    native.set_draft("auto")
+    res["auto.method"] = native.draft  # what auto resolved to on this machine and model
     res["ngram.llama_cpp_speedup_over_plain_grounded"] = round(
         res["grounded"]["llama_cpp_ngram"]["tok_s"] / glplain["tok_s"], 3)
     if has_mtp:
@@ -241,6 +248,11 @@ def run_spec_bench(args) -> int:
         res["mtp.speedup_over_plain"] = round(ma["tok_s"] / plain["tok_s"], 3)
         res["mtp.speedup_over_llama_cpp"] = round(ma["tok_s"] / lplain["tok_s"], 3)
         res[f"mtp.k{k}.speedup_over_plain"] = round(mk["tok_s"] / plain["tok_s"], 3)
+        nk = mt["mtp_ngram_k"].summary(mt["plain"])
+        res["mt_bench"][f"native_mtp_ngram_k{k}"] = nk
+        res["mtp_ngram.mean_accepted"] = nk.get("mean_accepted", 0.0)
+        res["mtp_ngram.acceptance_per_position"] = nk.get("acceptance_per_position", [])
+        res[f"mtp_ngram.k{k}.speedup_over_plain"] = round(nk["tok_s"] / plain["tok_s"], 3)
         tk, ta = mt["tree_k"].summary(mt["plain"]), mt["tree"].summary(mt["plain"])
         res["mt_bench"].update({f"native_mtp_tree_{tree}": tk, "native_mtp_tree": ta})
         res["mtp.tree_mean_accepted"] = tk.get("mean_accepted", 0.0)

@@ -118,8 +118,8 @@ class BatchEngine:
         return cpu_gemv.arith()
 
     def set_draft(self, method: str, mtp=None, fixed_k: int | None = None) -> None:
-        """Drafting for requests submitted from now on: "none", "ngram", "mtp", "mtp-tree" or "auto" (prompt
-        lookup, else trees; with `mtp`, an MtpDrafter, for all but "ngram"; drafting.py).
+        """Drafting for requests submitted from now on: "none", "ngram", "mtp", "mtp-ngram" or "mtp-tree" (with
+        `mtp`, an MtpDrafter, for all but "ngram"; drafting.py).
         Drafts need the fused C step (its rows are bit for bit one-token steps); elsewhere it is refused."""
         if method not in DRAFTS:
             raise ValueError(f"the batch engine drafts with {' or '.join(DRAFTS)}, not {method!r}")

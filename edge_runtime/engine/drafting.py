@@ -18,7 +18,9 @@ level by level): its nodes are the rows after the decode token, each attending o
 (`draft_children`); the accepted path's K/V then move onto the first lookahead slots (`keep_tree_path`)
 and everything else is truncated as a rejected chain would be. The planner sizes each tree by what
 trees of each size would have earned the sequence so far (`TreeGain`, scored against its answer).
-"auto" gives each sequence both: prompt lookup's chain where it finds a span, else a tree.
+"mtp-ngram" (what `--draft auto` runs where heads ship) gives each sequence prompt lookup's chain where its
+last two tokens or more match earlier ones, else the heads' chain (speculative.py `LookupThenHeads`), each
+with an acceptance estimate of its own.
 
 It knows nothing about requests, text or the model's arithmetic.
 """
@@ -28,10 +30,10 @@ import time
 from dataclasses import dataclass, field
 
 from edge_runtime.spec.draft_planner import Acceptance, DraftPlanner
-from edge_runtime.spec.speculative import NgramProposer
+from edge_runtime.spec.speculative import LookupThenHeads, NgramProposer
 from edge_runtime.spec.tree import TreeDrafter, TreeGain
 
-DRAFTS = ("none", "ngram", "mtp", "mtp-tree", "auto")
+DRAFTS = ("none", "ngram", "mtp", "mtp-ngram", "mtp-tree")
 MAX_DRAFTS = 7  # a chain's; a tree's: 15 (16 rows a call)
 
 
@@ -74,11 +76,14 @@ def tree_depth(parents: list[int] | None, num_drafts: int) -> int:
 @dataclass(eq=False)
 class JobDrafts:
     """One job's drafting state: its chain proposer (prompt lookup or the heads; None for trees only), the
-    chains' acceptance estimate, its trees' gains (`TreeGain`, when it grows trees) and counters."""
+    chains' acceptance estimate, its trees' gains (`TreeGain`, when it grows trees), the heads' chains' own
+    estimate where they stand in for prompt lookup ("mtp-ngram") and counters."""
     proposer: object
     acceptance: Acceptance = field(default_factory=Acceptance)
     tree: TreeGain | None = None
+    heads: Acceptance | None = None
     last_tree: bool = False  # whether its last drafts were a tree
+    last_heads: bool = False  # whether its last drafts were the heads' chain (with `heads`)
     steps: int = 0  # decode steps it took part in
     verify_steps: int = 0  # of which carried drafts
     proposed: int = 0
@@ -92,7 +97,7 @@ class JobDrafts:
         if not proposed:
             return
         if not self.last_tree:  # trees learn from scoring every size against the answer (TreeGain)
-            self.acceptance.observe(proposed, accepted)
+            (self.heads if self.last_heads and self.heads is not None else self.acceptance).observe(proposed, accepted)
         self.verify_steps += 1
         self.proposed += proposed
         self.accepted += accepted
@@ -111,15 +116,15 @@ class JobDrafts:
 
 class StepDrafter:
     def __init__(self, method: str, max_rows: int, mtp=None, fixed_k: int | None = None):
-        """method: "ngram", "mtp", "mtp-tree" or "auto" (prompt lookup where it finds a span, else draft trees;
-        with `mtp`, an MtpDrafter, for all but "ngram"); fixed_k: always that many drafts when the proposer
-        has them (for measuring acceptance at a given k), else the planner decides."""
+        """method: "ngram", "mtp", "mtp-ngram" (prompt lookup where the last two tokens or more match, else the
+        heads' chain) or "mtp-tree" (with `mtp`, an MtpDrafter, for all but "ngram"); fixed_k: always that many
+        drafts when the proposer has them (for measuring acceptance at a given k), else the planner decides."""
         if method not in DRAFTS[1:]:
             raise ValueError(f"the batch engine drafts with {' or '.join(DRAFTS)}, not {method!r}")
         if method != "ngram" and mtp is None:
             raise ValueError("MTP drafting needs the MTP heads")
         self.method, self.mtp, self.fixed_k = method, mtp, fixed_k
-        self.tree = TreeDrafter(mtp, size=min(15, max_rows - 1)) if method in ("mtp-tree", "auto") else None
+        self.tree = TreeDrafter(mtp, size=min(15, max_rows - 1)) if method == "mtp-tree" else None
         most = self.tree.size if self.tree else MAX_DRAFTS
         if fixed_k is not None and not 1 <= fixed_k <= most:
             raise ValueError(f"{method} drafts 1 to {most} tokens a step, not {fixed_k}")
@@ -127,10 +132,14 @@ class StepDrafter:
         # acceptance over every job so far: where a new job's estimate starts (a short answer would
         # otherwise spend its few steps paying for drafts a fixed 0.5 guess offered); trees' gains likewise
         self.prior = Acceptance(decay=0.98)
+        self.heads_prior = Acceptance(decay=0.98)  # the heads' chains, where lookup has its own ("mtp-ngram")
         self.tree_prior = TreeGain(self.tree.size, decay=0.98) if self.tree else None
         self.head_seconds = 0.0  # a head step (one level of a tree, one draft of a chain), measured
 
     def new_job(self) -> JobDrafts:
+        if self.method == "mtp-ngram":
+            return JobDrafts(NgramProposer(min_n=LookupThenHeads.LOOKUP_MIN_N), Acceptance(alpha=self.prior.alpha),
+                             heads=Acceptance(alpha=self.heads_prior.alpha))
         chain = None if self.method == "mtp-tree" else self.mtp if self.method == "mtp" else NgramProposer()
         tree = TreeGain(self.tree.size, prior=self.tree_prior) if self.tree else None
         return JobDrafts(chain, Acceptance(alpha=self.prior.alpha), tree)
@@ -139,7 +148,8 @@ class StepDrafter:
         """One decode step of a job: `accepted` of its `proposed` drafts were taken."""
         drafts.observe(proposed, accepted, depth)
         if not drafts.last_tree:
-            self.prior.observe(proposed, accepted)
+            heads = drafts.last_heads and drafts.heads is not None
+            (self.heads_prior if heads else self.prior).observe(proposed, accepted)
 
     def _head_time(self, seconds: float, steps: int) -> None:
         per = seconds / max(1, steps)
@@ -168,9 +178,10 @@ class StepDrafter:
                 d.tree.level_seconds = self.head_seconds
                 cands.append((chunk, job, room, d.tree))
                 limits.append(self.tree.size)
-            elif self.method == "mtp" and job.hidden is not None:  # the heads cost a step per draft
-                d.acceptance.step_seconds = self.head_seconds
-                cands.append((chunk, job, room, d.acceptance))
+            elif self.method in ("mtp", "mtp-ngram") and job.hidden is not None:  # a head step per draft
+                est = d.heads or d.acceptance
+                est.step_seconds = self.head_seconds
+                cands.append((chunk, job, room, est))
                 limits.append(min(room, MAX_DRAFTS))
         if not cands:
             return
@@ -198,6 +209,7 @@ class StepDrafter:
             if drafts and scheduler.add_drafts(chunk, drafts, parents):
                 budget -= len(drafts)
                 job.drafts.last_tree = parents is not None
+                job.drafts.last_heads = est is job.drafts.heads
 
     def observe_step(self, rows: int, seconds: float, sequences: int | None = None) -> None:
         if rows:

@@ -34,7 +34,7 @@ def test_a_worker_with_ngram_drafts_answers_as_without(worker, solo):
         assert joined(together[i])[:2] == solo[i][:2]
 
 
-@pytest.mark.parametrize("method", ["mtp", "mtp-tree"])
+@pytest.mark.parametrize("method", ["mtp", "mtp-ngram", "mtp-tree"])
 def test_a_worker_with_mtp_drafts_answers_as_without(solo, method):
     """--draft mtp (chains) and mtp-tree (draft trees): the worker drafts with the MTP heads shipped for its
     model (drafts verified, counted on /metrics), and its answers, three at once, are token for token the

@@ -34,9 +34,9 @@ def test_generate_json_has_the_documented_fields():
 
 
 def test_generate_draft_flag_same_answer_with_draft_stats():
-    """--draft on the CLI: the default (auto) drafts with n-gram where it finds a span (and the heads' trees
-    where they pay), mtp uses the shipped heads, and the answer is the one plain decoding gives; MTP on
-    llama.cpp is refused with a clear error."""
+    """--draft on the CLI: the default (auto) drafts with prompt lookup where the last two tokens match and
+    the shipped heads elsewhere (mtp-ngram), mtp uses the heads alone, and the answer is the one plain
+    decoding gives; MTP on llama.cpp is refused with a clear error."""
     prompt = "Repeat exactly: red, green, blue, red, green, blue, red, green, blue."
     outs = {}
     for draft in ("none", "auto", "mtp"):
@@ -44,7 +44,7 @@ def test_generate_draft_flag_same_answer_with_draft_stats():
         assert p.returncode == 0, p.stderr
         outs[draft] = json.loads(p.stdout)
     assert outs["none"]["draft"] == {"method": "none"}
-    assert outs["auto"]["draft"]["method"] == "auto" and outs["mtp"]["draft"]["method"] == "mtp"
+    assert outs["auto"]["draft"]["method"] == "mtp-ngram" and outs["mtp"]["draft"]["method"] == "mtp"
     assert outs["auto"]["draft"]["verify_steps"] > 0 and outs["auto"]["draft"]["accepted"] > 0
     assert outs["auto"]["token_ids"] == outs["none"]["token_ids"] == outs["mtp"]["token_ids"]
     p = run("generate", "--backend", "llama.cpp", "--draft", "mtp", "--max-tokens", "4", "Hi")

@@ -94,11 +94,15 @@ def test_draft_trees_of_several_sequences_in_one_step_give_their_solo_plain_answ
     assert max(log) >= 2 and after["accepted"] > before["accepted"]
     assert engine.scheduler.stats()["num_running"] == 0 and not engine.jobs
     engine.blocks.check_invariants()
-    # auto: prompt lookup where it finds a span, trees elsewhere (the planner decides); the same answers
+    # mtp-ngram (what --draft auto runs): prompt lookup where the last two tokens match, the heads' chains
+    # elsewhere, each source learning its own acceptance; the same answers
     before = engine.draft_stats()
-    assert run(engine, "auto", requests, after=[0, 0, 3, 7], mtp=mtp) == alone
+    assert run(engine, "mtp-ngram", requests, after=[0, 0, 3, 7], mtp=mtp) == alone
     assert engine.draft_stats()["verifications"] > before["verifications"]
+    assert engine.drafter.prior.alpha != 0.5 and engine.drafter.heads_prior.alpha != 0.5  # both sources drafted
     with pytest.raises(ValueError, match="MTP drafting needs the MTP heads"):
+        engine.set_draft("mtp-ngram")
+    with pytest.raises(ValueError, match="the batch engine drafts with"):  # auto is the backend's choice
         engine.set_draft("auto")
 
 

@@ -92,6 +92,26 @@ def test_drafting_on_llama_cpp_is_refused_because_its_batches_round_differently(
     assert llama_backend.drafter is None
 
 
+@pytest.mark.parametrize("k", [3, None])
+def test_mtp_ngram_greedy_output_is_identical_to_plain_decoding(native_backend, plain_answers, k):
+    """The heads with prompt lookup (what --draft auto runs), at a fixed k and at the adaptive length."""
+    check_lossless(native_backend, "mtp-ngram", PROMPTS if k else PROMPTS[:4], 128, plain_answers, k=k)
+
+
+def test_mtp_ngram_takes_prompt_lookup_from_two_matching_tokens_and_the_heads_otherwise(native_backend):
+    from edge_runtime.spec.speculative import make_drafter
+
+    drafter = make_drafter("mtp-ngram", native_backend)
+    head = drafter.mtp.head
+    hidden = torch.randn((1 + len(head.taps)) * head.dim, generator=torch.Generator().manual_seed(0))
+    one = [500, 600, 700, 800, 900, 500]  # the last token occurred before: a one-token match only
+    assert drafter.propose(one, 3, hidden) == drafter.mtp.propose(one, 3, hidden) != [600, 700, 800]
+    assert NgramProposer().propose(one, 3) == [600, 700, 800]  # what plain prompt lookup would have drafted
+    two = one + [600]  # the last two tokens occurred before: lookup's continuation
+    assert drafter.propose(two, 3, hidden) == [700, 800, 900]
+    assert drafter.name == "mtp-ngram" and drafter.needs_hidden
+
+
 def test_kv_cache_holds_only_accepted_tokens_after_drafting(native_backend):
     res = greedy(native_backend, PROMPTS[0], "ngram", 48, k=7)  # long drafts: rejections are certain
     d = res.timings["draft"]
@@ -213,7 +233,7 @@ def test_seeded_sampling_gives_the_same_answer_with_and_without_drafting(native_
     """Deterministic drafts are checked by drawing from p and comparing (the one-hot case of the rejection
     test), so the random stream is untouched: a seed gives the same answer whatever the drafts."""
     outs = {}
-    for draft in ("none", "ngram", "mtp", "mtp-tree"):
+    for draft in ("none", "ngram", "mtp", "mtp-ngram", "mtp-tree"):
         native_backend.runner.reset()
         native_backend.set_draft(draft, k=3)  # a fixed length: the adaptive one follows wall-clock costs
         try:
@@ -223,6 +243,8 @@ def test_seeded_sampling_gives_the_same_answer_with_and_without_drafting(native_
         finally:
             native_backend.set_draft("none")
     assert outs["ngram"].token_ids == outs["none"].token_ids == outs["mtp"].token_ids == outs["mtp-tree"].token_ids
+    assert outs["mtp-ngram"].token_ids == outs["none"].token_ids
+    assert outs["mtp-ngram"].timings["draft"]["verify_steps"] > 0
     assert outs["mtp-tree"].timings["draft"]["verify_steps"] > 0
     assert outs["ngram"].timings["draft"]["accepted"] > 0
 
