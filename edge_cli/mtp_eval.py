@@ -18,7 +18,7 @@ import torch
 
 def walk(tokens: list[int], propose, k: int, limit: int | None = None) -> tuple[int, int, list[int], list[int]]:
     """Greedy verification replayed on the greedy answer `tokens`, asked for `limit` tokens (default: as many
-    as it has): `propose(i, m)` drafts m <= k tokens after tokens[i]. Returns (verifications, drafts accepted,
+    as it has): `propose(i, m)` drafts up to m <= k tokens after tokens[i] (none: a plain step). Returns (verifications, drafts accepted,
     drafts accepted and drafts proposed at each draft position)."""
     steps = accepted = 0
     pos, proposed = [0] * k, [0] * k
@@ -26,15 +26,15 @@ def walk(tokens: list[int], propose, k: int, limit: int | None = None) -> tuple[
     limit = n if limit is None else limit
     while i < n - 1:
         m = min(k, limit - 2 - i)  # as the engine: the drafts and the bonus fit in the tokens still wanted
-        if m < 1:  # the last token: a plain step, not a verification
+        drafts = propose(i, m)[:m] if m >= 1 else []
+        if not drafts:  # the last token, or nothing to propose: a plain step, not a verification
             i += 1
             continue
-        drafts = propose(i, m)
         a = 0
-        while a < m and i + 1 + a < n and drafts[a] == tokens[i + 1 + a]:
+        while a < len(drafts) and i + 1 + a < n and drafts[a] == tokens[i + 1 + a]:
             pos[a] += 1
             a += 1
-        for j in range(m):
+        for j in range(len(drafts)):
             proposed[j] += 1
         steps, accepted, i = steps + 1, accepted + a, i + a + 1
     return steps, accepted, pos, proposed
@@ -57,6 +57,19 @@ def drafter_walk(drafter, records: list[dict], k: int = 3, limit: int | None = N
         return walk(tokens, lambda i, m: drafter.propose_from(hidden[i], tokens[i], m), k, limit)
 
     return summary([one(r) for r in records])
+
+
+def lookup_walk(drafter, records: list[dict], prompts: list[list[int]], k: int = 3, limit: int | None = None) -> dict:
+    """The heads with prompt lookup (`LookupThenHeads`, what `--draft mtp-ngram` runs) replayed over greedy
+    answers; `prompts[j]`: the prompt ids of `records[j]`, which lookup reads with the answer so far."""
+    from edge_runtime.spec.speculative import LookupThenHeads
+
+    def one(r, ids):
+        combo = LookupThenHeads(drafter)  # a fresh lookup index per answer
+        tokens, hidden = r["tokens"].tolist(), r["hidden"]
+        return walk(tokens, lambda i, m: combo.propose(ids + tokens[:i + 1], m, hidden[i]), k, limit)
+
+    return summary([one(r, ids) for r, ids in zip(records, prompts)])
 
 
 def attention_walk(head, records: list[dict], emb_table: torch.Tensor, k: int = 3, limit: int | None = None,

@@ -2,7 +2,7 @@
 import pytest
 
 from edge_cli.bench.spec import Tally, _run, mt_bench_prompts
-from edge_cli.mtp_eval import drafter_walk, summary, walk
+from edge_cli.mtp_eval import drafter_walk, lookup_walk, summary, walk
 from edge_cli.train_attn import mt_bench_records
 
 
@@ -32,3 +32,33 @@ def test_walk_replays_the_engines_mtp_drafting_exactly(native_backend, tmp_path)
         steps, acc, pos, prop = walk(t.ids[0], lambda i, m: drafter.propose_from(r["hidden"][i], t.ids[0][i], m), 3, 64)
         assert (steps, acc, pos, prop) == (t.verify_steps, t.accepted, t.pos_accepted[:3], t.pos_proposed[:3])
     assert drafter_walk(drafter, records, 3, 64)["verify_steps"] > 0
+
+
+def test_walk_takes_a_step_without_drafts_as_plain_and_counts_short_drafts_as_proposed():
+    tokens = list(range(10))
+    short = lambda i, m: tokens[i + 1:i + 2] if i % 2 == 0 else []  # noqa: E731 - one right draft, or none
+    steps, acc, pos, prop = walk(tokens, short, 3)
+    assert (steps, acc, pos, prop) == (4, 4, [4, 0, 0], [4, 0, 0])  # 0 -> 2 -> 4 -> 6 -> 8, then a plain step
+
+
+def test_lookup_walk_replays_the_engines_mtp_ngram_drafting_exactly(native_backend):
+    """The heads with prompt lookup on 4 MT-Bench answers: the replay's verifications and accepted drafts per
+    position are the engine's own, answer by answer (greedy, k = 3, 64 tokens)."""
+    from edge_cli.mtp_data import _prompt
+    from edge_runtime.spec.mtp import MtpDrafter
+
+    drafter = MtpDrafter.for_backend(native_backend)
+    records = mt_bench_records(native_backend, n=4, max_tokens=64)
+    prompts = [_prompt(native_backend, [{"role": "user", "content": q}], 64) for q in mt_bench_prompts(4)]
+    total = Tally()
+    for r, q, ids in zip(records, mt_bench_prompts(4), prompts):
+        t = Tally()
+        _run(native_backend, "mtp-ngram", 3, q, 64, t)
+        _run(native_backend, "mtp-ngram", 3, q, 64, total)
+        assert t.ids[0] == r["tokens"].tolist()
+        s = lookup_walk(drafter, [r], [ids], 3, 64)
+        assert s["verify_steps"] == t.verify_steps
+        assert s["mean_accepted"] == pytest.approx(1 + t.accepted / t.verify_steps)
+        assert s["acceptance_per_position"] == pytest.approx([a / p for a, p in zip(t.pos_accepted, t.pos_proposed) if p])
+    both = lookup_walk(drafter, records, prompts, 3, 64)
+    assert both["verify_steps"] == total.verify_steps and both["mean_accepted"] > drafter_walk(drafter, records, 3, 64)["mean_accepted"]
