@@ -24,7 +24,7 @@ def _add_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
                        help="speculative decoding, output unchanged: mtp = the model's trained draft heads, "
                             "mtp-ngram = prompt lookup where the last 2+ tokens match earlier ones, else the heads, "
                             "mtp-tree = their draft trees (one pass, tree attention), ngram = prompt lookup; "
-                            "auto = ngram, else MTP trees where they pay (native), else none")
+                            "auto = mtp-ngram where heads ship, else ngram (native), else none")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: the device profile's, one per "
                    "physical core)")
     p.add_argument("--ctx", type=int, default=4096, help="context window in tokens")
