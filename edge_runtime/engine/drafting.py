@@ -83,7 +83,7 @@ class JobDrafts:
     tree: TreeGain | None = None
     heads: Acceptance | None = None
     last_tree: bool = False  # whether its last drafts were a tree
-    last_heads: bool = False  # whether its last drafts were the heads' chain (with `heads`)
+    last_heads: bool = False  # whether its last drafts were the heads' chain (only where `heads` is set)
     steps: int = 0  # decode steps it took part in
     verify_steps: int = 0  # of which carried drafts
     proposed: int = 0
@@ -97,7 +97,7 @@ class JobDrafts:
         if not proposed:
             return
         if not self.last_tree:  # trees learn from scoring every size against the answer (TreeGain)
-            (self.heads if self.last_heads and self.heads is not None else self.acceptance).observe(proposed, accepted)
+            (self.heads if self.last_heads else self.acceptance).observe(proposed, accepted)
         self.verify_steps += 1
         self.proposed += proposed
         self.accepted += accepted
@@ -148,8 +148,7 @@ class StepDrafter:
         """One decode step of a job: `accepted` of its `proposed` drafts were taken."""
         drafts.observe(proposed, accepted, depth)
         if not drafts.last_tree:
-            heads = drafts.last_heads and drafts.heads is not None
-            (self.heads_prior if heads else self.prior).observe(proposed, accepted)
+            (self.heads_prior if drafts.last_heads else self.prior).observe(proposed, accepted)
 
     def _head_time(self, seconds: float, steps: int) -> None:
         per = seconds / max(1, steps)
