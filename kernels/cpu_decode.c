@@ -684,19 +684,21 @@ void decode_kv_store_rows(void* pool, float* scales, int kind, int rotated, cons
 /* out[m] = the index of row m's largest value (x [M, N] fp32), as torch.argmax: the first one on ties,
  * and the first NaN if the row has one. The engine's greedy tokens for a whole step in one call. */
 /* ---- one draft step of an MTP head (edge_runtime/spec/mtp.py: MtpHead.forward, then its draft logits) ----
- * F rows (F <= 8) in one parallel region, the fp32-activation GEMVs of cpu_gemv.c on Q8_0 GGUF rows (the
- * arithmetic of Q8Head's per-call GEMVs) and decode_add_rmsnorm's norms. dims: dim, hidden, n_vocab, parts
- * (1 + the number of tapped layers; 1: no fusion), num_threads. w: w_f (unused when parts == 1), w_in,
+ * F rows (F <= 8) in one parallel region, the GEMVs of team_gemm (the arithmetic of Q8Head's per-call GEMVs)
+ * and decode_add_rmsnorm's norms. dims: dim, hidden, n_vocab, parts (1 + the number of tapped layers; 1: no
+ * fusion), num_threads, the weights' kind code (+ 16: cpu_qgemm's packed layout) and arith (0: fp32
+ * activations, cpu_gemv.c; 1: 8-bit activations, cpu_qgemm.c). w: w_f (unused when parts == 1), w_in,
  * w_gate_up, w_down, the draft vocabulary's rows. g: g_f [parts * dim], g_h, g_e, g_m, g_o [dim].
  * h [F, parts * dim]: the features; e [F, dim]: the chosen tokens' embeddings. Out: state [F, dim] (the next
  * step's h) and logits [F, n_vocab]. Returns 0, a GEMV's rc (-1: bad shapes), or -2 out of memory. */
 int mtp_head_step(int F, const int* dims, float eps, const uint8_t** w, const float** g, const float* h,
                   const float* e, float* state, float* logits) {
     const int dim = dims[0], hidden = dims[1], n_vocab = dims[2], parts = dims[3], nt = dims[4] > 1 ? dims[4] : 1;
+    const int kind = dims[5], arith = dims[6];
     if (F < 1 || F > 8 || parts < 1 || dim % 32 || hidden % 32) return -1;
     const int kmax = parts * dim > 2 * dim ? (parts * dim > hidden ? parts * dim : hidden)
                                            : (2 * dim > hidden ? 2 * dim : hidden);
-    const size_t n = (size_t)F * ((size_t)parts * dim + 2 * dim + 3 * dim + 3 * (size_t)hidden) + (size_t)F * (kmax / 32);
+    const size_t n = (size_t)F * ((size_t)parts * dim + 2 * dim + 3 * dim + 3 * (size_t)hidden);
     float* buf = aligned_alloc(64, (sizeof(float) * n + 63) / 64 * 64);
     if (!buf) return -2;
     float* u = buf;                                  /* [F, parts * dim]: the normed features */
@@ -706,7 +708,12 @@ int mtp_head_step(int F, const int* dims, float eps, const uint8_t** w, const fl
     float* dn = z + (size_t)F * dim;                 /* [F, dim]: the MLP's output */
     float* gu = dn + (size_t)F * dim;                /* [F, 2 hidden] */
     float* act = gu + (size_t)F * 2 * hidden;        /* [F, hidden] */
-    float* ws = act + (size_t)F * hidden;            /* the GEMVs' block sums */
+    const size_t wsb = arith ? qgemm_workspace(kmax, F) : sizeof(float) * (size_t)F * (kmax / 32);
+    void* ws = aligned_alloc(64, (wsb + 63) / 64 * 64);
+    if (!ws) {
+        free(buf);
+        return -2;
+    }
     team_barrier bar;
     team_barrier_init(&bar, 1);
     int rc_all = 0;
@@ -721,7 +728,7 @@ int mtp_head_step(int F, const int* dims, float eps, const uint8_t** w, const fl
                     decode_add_rmsnorm((float*)h + ((size_t)f * parts + p) * dim, NULL, g[0] + (size_t)p * dim, dim,
                                        eps, u + ((size_t)f * parts + p) * dim);
             team_sync(&bar);
-            rc = gemv_team(w[0], 8, dim, parts * dim, u, F, hf, ws, t, T, team_sync, &bar);
+            rc = team_gemm(kind, arith, w[0], dim, parts * dim, u, F, hf, ws, t, &bar);
             team_sync(&bar);
             hx = hf;
         }
@@ -731,30 +738,31 @@ int mtp_head_step(int F, const int* dims, float eps, const uint8_t** w, const fl
                 decode_add_rmsnorm((float*)e + (size_t)f * dim, NULL, g[2], dim, eps, a + (size_t)f * 2 * dim + dim);
             }
             team_sync(&bar);
-            rc = gemv_team(w[1], 8, dim, 2 * dim, a, F, z, ws, t, T, team_sync, &bar);
+            rc = team_gemm(kind, arith, w[1], dim, 2 * dim, a, F, z, ws, t, &bar);
             team_sync(&bar);
         }
         if (!rc) {
             for (int f = t; f < F; f += T) decode_add_rmsnorm(z + (size_t)f * dim, NULL, g[3], dim, eps, u + (size_t)f * dim);
             team_sync(&bar);
-            rc = gemv_team(w[2], 8, 2 * hidden, dim, u, F, gu, ws, t, T, team_sync, &bar);
+            rc = team_gemm(kind, arith, w[2], 2 * hidden, dim, u, F, gu, ws, t, &bar);
             team_sync(&bar);
         }
         if (!rc) {
             const int i0 = hidden / 8 * t / T * 8, i1 = t == T - 1 ? hidden : hidden / 8 * (t + 1) / T * 8;
             for (int f = 0; f < F; f++) silu_mul_range(gu + (size_t)f * 2 * hidden, hidden, act + (size_t)f * hidden, i0, i1);
             team_sync(&bar);
-            rc = gemv_team(w[3], 8, dim, hidden, act, F, dn, ws, t, T, team_sync, &bar);
+            rc = team_gemm(kind, arith, w[3], dim, hidden, act, F, dn, ws, t, &bar);
             team_sync(&bar);
         }
         if (!rc) {
             for (int f = t; f < F; f += T)
                 decode_add_rmsnorm(z + (size_t)f * dim, dn + (size_t)f * dim, g[4], dim, eps, state + (size_t)f * dim);
             team_sync(&bar);
-            rc = gemv_team(w[4], 8, n_vocab, dim, state, F, logits, ws, t, T, team_sync, &bar);
+            rc = team_gemm(kind, arith, w[4], n_vocab, dim, state, F, logits, ws, t, &bar);
         }
         if (t == 0) rc_all = rc;
     }
+    free(ws);
     free(buf);
     return rc_all;
 }

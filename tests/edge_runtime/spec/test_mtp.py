@@ -146,21 +146,28 @@ def test_train_mtp_refuses_taps_and_losses_that_do_not_apply(args, message, caps
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("integer", [False, True])
 @pytest.mark.parametrize("taps", [(), (20, 26)])
-def test_the_one_call_head_step_equals_the_per_gemv_path(native_backend, taps):
+def test_the_one_call_head_step_equals_the_per_gemv_path(native_backend, taps, integer):
     """Q8Head.step (kernels/cpu_decode.c: mtp_head_step, the whole draft step in one parallel region) computes
     what Q8Head's separate GEMV calls and torch norms compute: the same Q8_0 GEMVs, norms that differ only in
     float rounding, so states and logits agree closely and the chosen drafts agree; for 1 and 3 rows, on 1
     and 2 threads, with and without fused taps. Drafts only propose, so this closeness (not bit-equality)
-    is all losslessness needs."""
-    from kernels import cpu_gemv
+    is all losslessness needs. Both arithmetics: the fp32 GEMVs on Q8_0 rows, and (x86) the integer kernels on
+    their packed layout, the default where it exists."""
+    from edge_runtime.spec.mtp import Q8Head
+    from kernels import cpu_gemv, cpu_qgemm
+
+    if integer and not (cpu_qgemm.available() and cpu_qgemm.packed_supported("q8_0")):
+        pytest.skip("no packed integer kernels on this CPU")
 
     torch.manual_seed(0)
     head = MtpHead(576, 1536, torch.arange(0, 8192, 2), taps=taps)
     for p in head.parameters():
         torch.nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.1 if p.dim() == 1 else 0.03)
     drafter = MtpDrafter(head, native_backend.model.embedding)
-    fast = drafter.fast
+    assert drafter.fast.integer == (cpu_qgemm.available() and cpu_qgemm.packed_supported("q8_0"))
+    fast = Q8Head(head, drafter.head_rows, integer=integer)
     old = cpu_gemv.threads()
     try:
         for threads in (1, 2):
@@ -188,3 +195,23 @@ def test_the_one_call_head_step_equals_the_per_gemv_path(native_backend, taps):
         fast.step(torch.randn(9, (1 + len(taps)) * 576), torch.randn(9, 576))  # more rows than one call takes
     with pytest.raises(ValueError, match="the head step reads"):
         fast.step(torch.randn(1, 2 * 576 + 32), torch.randn(1, 576))
+
+
+def test_a_drafts_embedding_is_read_from_the_draft_vocabulary_rows(native_backend):
+    """head_step takes a draft token's embedding from head_rows (the draft vocabulary's rows of the model's
+    embedding, computed once) instead of a lookup: the same values, so the same step bit for bit; a token
+    outside the draft vocabulary (the verified token a chain starts from) still goes through the lookup."""
+    drafter = MtpDrafter.for_backend(native_backend)
+    width = (1 + len(drafter.head.taps)) * drafter.head.dim
+    outside = next(t for t in range(1000, 49152) if t not in drafter.row_of)
+    for tokens in ([drafter.vocab[5]], [drafter.vocab[7], drafter.vocab[4000]], [drafter.vocab[3], outside]):
+        assert torch.equal(drafter.embed(torch.tensor(tokens)).reshape(len(tokens), -1).float(),
+                           drafter.head_rows[[drafter.row_of.get(t, 0) for t in tokens]]) == (outside not in tokens)
+        h = torch.randn(len(tokens), width)
+        fast = drafter.head_step(h, tokens)
+        row_of, drafter.row_of = drafter.row_of, {}
+        try:
+            looked_up = drafter.head_step(h, tokens)
+        finally:
+            drafter.row_of = row_of
+        assert torch.equal(fast[0], looked_up[0]) and torch.equal(fast[1], looked_up[1])
