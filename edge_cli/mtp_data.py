@@ -96,6 +96,21 @@ def large_prompts(seed: int = 0) -> list[list[dict]]:
     return out
 
 
+PROMPT_SETS = ("large", "chat")  # the sets answered into shards (build_shards); "small" is one file
+
+
+def prompt_messages(prompt_set: str, seed: int = 0) -> list[list[dict]]:
+    """A sharded prompt set as message lists: "large" (`large_prompts`) or "chat" (edge_cli/mtp_chat.py's
+    chat-like prompts, one user turn each)."""
+    if prompt_set == "large":
+        return large_prompts(seed)
+    if prompt_set == "chat":
+        from edge_cli.mtp_chat import chat_prompts
+
+        return [[{"role": "user", "content": p}] for p in chat_prompts(seed)]
+    raise ValueError(f"no sharded prompt set {prompt_set!r}: {' or '.join(PROMPT_SETS)}")
+
+
 class _Answer:
     def __init__(self, index: int, ids: list[int], table: list[int], temperature: float, seed: int, max_tokens: int):
         self.index, self.history, self.table, self.max_tokens = index, list(ids), table, max_tokens
@@ -219,8 +234,9 @@ def first_prompts(data: dict, n: int) -> dict:
 
 def build_shards(backend, out_dir: str, num_prompts: int | None = None, max_tokens: int = 160,
                  temperatures: tuple = (0.0, 0.8), seed: int = 0, shard_jobs: int = 256, batch: int = 16,
-                 progress=print, donors: tuple[str, ...] = (), limit: int | None = None) -> dict:
-    """Answers to the large set, in shards of `shard_jobs` answers (`shard-00000.pt` ...), for data at scale.
+                 progress=print, donors: tuple[str, ...] = (), limit: int | None = None,
+                 prompt_set: str = "large") -> dict:
+    """Answers to the large set (or another of PROMPT_SETS), in shards of `shard_jobs` answers (`shard-00000.pt` ...), for data at scale.
 
     Resumable: a shard already on disk is kept (each is written whole, then renamed), so the command can be
     stopped and run again, on this machine or another, and goes on where it was; `settings.json` records what
@@ -232,9 +248,9 @@ def build_shards(backend, out_dir: str, num_prompts: int | None = None, max_toke
     (`add_taps`, a few times faster than answering) when the donor has none. `limit`: make the first `limit`
     shards only (a data size that is a prefix of the job list; the rest can follow in a later run)."""
     taps = list(backend.model.taps)
-    prompts = large_prompts(seed)[:num_prompts]
+    prompts = prompt_messages(prompt_set, seed)[:num_prompts]
     jobs = _jobs(prompts, temperatures)
-    settings = {"prompt_set": "large", "prompts": len(prompts), "temperatures": list(temperatures), "seed": seed,
+    settings = {"prompt_set": prompt_set, "prompts": len(prompts), "temperatures": list(temperatures), "seed": seed,
                 "max_tokens": max_tokens, "shard_jobs": shard_jobs, "model": base_fingerprint(backend)}
     if taps:
         settings["taps"] = taps
@@ -291,7 +307,7 @@ def _donors(settings: dict, folders, out_dir: str) -> list[tuple[str, list, list
             other = json.load(f)
         taps = other.get("taps", [])
         if {k: v for k, v in other.items() if k not in ("prompts", "taps")} == fixed and taps in ([], settings.get("taps", [])):
-            prompts = large_prompts(settings["seed"])[:other["prompts"]]
+            prompts = prompt_messages(settings["prompt_set"], settings["seed"])[:other["prompts"]]
             out.append((folder, taps, _jobs(prompts, tuple(settings["temperatures"]))))
     return sorted(out, key=lambda d: d[1] != settings.get("taps", []))  # copies first
 

@@ -22,6 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from edge_cli.mtp_data import PROMPT_SETS
 from edge_runtime.errors import EdgeRuntimeError
 from edge_runtime.spec.mtp import HEADS_DIR, MtpHead, base_fingerprint
 
@@ -215,23 +216,23 @@ def train(data: dict, backend, depth: int = 4, hidden: int = 1024, draft_vocab: 
     return head.eval(), report
 
 
-def large_folder(prompts: int, taps: tuple[int, ...] = ()) -> str:
-    """The large set's default shard folder: in the per-user cache (~/.cache/edge-runtime or
-    $EDGE_RUNTIME_CACHE), not the checkout, so a fresh checkout on the same machine goes on where the last
-    run stopped; one folder per prompt count (a folder's shards are answers to one job list)."""
+def large_folder(prompts: int, taps: tuple[int, ...] = (), prompt_set: str = "large") -> str:
+    """A sharded set's default folder: in the per-user cache (~/.cache/edge-runtime or $EDGE_RUNTIME_CACHE),
+    not the checkout, so a fresh checkout on the same machine goes on where the last run stopped; one folder
+    per set and prompt count (a folder's shards are answers to one job list)."""
     from kernels.compile_cache import cache_root
 
     tapped = f"-taps{'-'.join(map(str, taps))}" if taps else ""
-    return os.path.join(cache_root(), f"mtp-large-{prompts or 'all'}{tapped}")
+    return os.path.join(cache_root(), f"mtp-{prompt_set}-{prompts or 'all'}{tapped}")
 
 
-def large_folders() -> list[str]:
-    """The large set's shard folders in the per-user cache: other prompt counts and taps, whose shards a run
-    takes rather than answering the same jobs again (`build_shards`' donors)."""
+def large_folders(prompt_set: str = "large") -> list[str]:
+    """A sharded set's folders in the per-user cache: other prompt counts and taps, whose shards a run takes
+    rather than answering the same jobs again (`build_shards`' donors)."""
     from kernels.compile_cache import cache_root
 
-    root = cache_root()
-    return sorted(os.path.join(root, n) for n in os.listdir(root) if n.startswith("mtp-large-")) if os.path.isdir(root) else []
+    root, head = cache_root(), f"mtp-{prompt_set}-"
+    return sorted(os.path.join(root, n) for n in os.listdir(root) if n.startswith(head)) if os.path.isdir(root) else []
 
 
 def run_train_mtp(args) -> int:
@@ -247,15 +248,17 @@ def run_train_mtp(args) -> int:
     if args.answers_per_step is not None and args.answers_per_step < 1:
         raise EdgeRuntimeError(f"train-mtp: --answers-per-step must be at least 1, not {args.answers_per_step}")
     taps = tuple(sorted(set(args.taps or ())))
-    if args.shards is not None and (args.prompt_set != "large" or args.shards < 1):
-        raise EdgeRuntimeError(f"train-mtp: --shards applies to --prompt-set large and must be at least 1, not "
-                               f"{args.shards} with --prompt-set {args.prompt_set}")
+    sharded = args.prompt_set in PROMPT_SETS
+    if args.shards is not None and (not sharded or args.shards < 1):
+        raise EdgeRuntimeError(f"train-mtp: --shards applies to --prompt-set large or chat and must be at least 1, "
+                               f"not {args.shards} with --prompt-set {args.prompt_set}")
     if args.arch == "attention" and args.precision is not None:
         raise EdgeRuntimeError("train-mtp: --precision applies to the MLP heads (the attention head trains in fp32)")
     if args.arch == "attention" and args.loss is not None:
         raise EdgeRuntimeError("train-mtp: --loss applies to the MLP heads (the attention head trains on the argmax)")
-    if taps and (args.arch == "attention" or args.prompt_set != "large"):
-        raise EdgeRuntimeError("train-mtp: --taps applies to the MLP heads (--arch mlp) on --prompt-set large")
+    if taps and (args.arch == "attention" or not sharded):
+        raise EdgeRuntimeError("train-mtp: --taps applies to the MLP heads (--arch mlp) on --prompt-set large or "
+                               "chat")
     if args.arch == "mlp" and (args.curve or args.mt_bench != 80) and not args.json:
         raise EdgeRuntimeError("train-mtp: --curve and --mt-bench measure heads on MT-Bench: name the --json file "
                                "for the figures")
@@ -267,11 +270,12 @@ def run_train_mtp(args) -> int:
                                f"{','.join(map(str, taps))}")
     backend.model.taps = taps
     temps = tuple(float(t) for t in args.temperatures.split(","))
-    if args.prompt_set == "large":  # shards in a folder, resumable
-        folder = args.data or large_folder(args.prompts, taps)
-        print(f"train-mtp: the model answers the large prompt set into {folder} (shards already there are kept)")
+    if sharded:  # shards in a folder, resumable
+        folder = args.data or large_folder(args.prompts, taps, args.prompt_set)
+        print(f"train-mtp: the model answers the {args.prompt_set} prompt set into {folder} (shards already there "
+              "are kept)")
         build_shards(backend, folder, args.prompts or None, args.max_tokens, temps, seed=args.seed,
-                     donors=large_folders(), limit=args.shards)
+                     donors=large_folders(args.prompt_set), limit=args.shards, prompt_set=args.prompt_set)
         data = load_shards(folder, args.shards)
     elif os.path.exists(args.data or SMALL_DATA):
         data = torch.load(args.data or SMALL_DATA)
@@ -314,19 +318,20 @@ def add_train_mtp_parser(sub) -> None:
     t = sub.add_parser("train-mtp", help="train the MTP draft heads by self-distillation (see docs/speculative.md)")
     t.add_argument("--model", default="default")
     t.add_argument("--threads", type=int, default=None)
-    t.add_argument("--prompt-set", choices=("small", "large"), default="small",
+    t.add_argument("--prompt-set", choices=("small", *PROMPT_SETS), default="small",
                    help="small: the 782 prompts of the shipped heads (one file); large: mtp_prompts.json's templates "
-                        "over its topics and its tasks too (about 25,000 prompts; shards in the --data folder, "
-                        "resumable)")
+                        "over its topics and its tasks too (about 25,000 prompts); chat: chat-like writing, roleplay, "
+                        "reasoning, math, code, extraction and questions (6,615 prompts, edge_cli/mtp_chat.py); "
+                        "large and chat answer into shards in the --data folder, resumable")
     t.add_argument("--prompts", type=int, default=0, help="training prompts the model answers (0 = all of the set)")
     t.add_argument("--temperatures", default="0,0.8", help="one answer per prompt at each temperature")
     t.add_argument("--max-tokens", type=int, default=160, help="tokens per answer")
     t.add_argument("--data", default=None,
                    help="cache of the answers and hidden states, reused when it exists (default: .cache/mtp-data.pt; "
-                        "with --prompt-set large a folder, ~/.cache/edge-runtime/mtp-large-N for --prompts N)")
+                        "with --prompt-set large or chat a folder, ~/.cache/edge-runtime/mtp-SET-N for --prompts N)")
     t.add_argument("--shards", type=int, default=None,
-                   help="--prompt-set large: answer and train on the first N shards of the job list only (256 answers "
-                        "each, greedy ones first; default all)")
+                   help="--prompt-set large or chat: answer and train on the first N shards of the job list only "
+                        "(256 answers each, greedy ones first; default all)")
     t.add_argument("--depth", type=int, default=4, help="drafts the head learns to chain")
     t.add_argument("--hidden", type=int, default=1024, help="the head's MLP width")
     t.add_argument("--draft-vocab", type=int, default=4096, help="tokens the head can draft")
@@ -339,7 +344,7 @@ def add_train_mtp_parser(sub) -> None:
                    help="--arch attention: whole answers per optimizer step (default 8)")
     t.add_argument("--taps", type=lambda v: [int(x) for x in v.split(",")], default=None,
                    help="layers whose output the heads' first step reads too (EAGLE-3's fusion), e.g. 20,26; "
-                        "--prompt-set large only (shards in their own folder; a shard another folder of the cache already "
+                        "--prompt-set large or chat (shards in their own folder; a shard another folder of the cache already "
                         "answered is copied, or given the taps from its answers)")
     t.add_argument("--loss", choices=("soft", "hard"), default=None,
                    help="the MLP heads' targets: soft (default), the model's own distribution over the draft "

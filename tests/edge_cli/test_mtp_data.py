@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from edge_cli.bench.spec import mt_bench_prompts
-from edge_cli.mtp_data import build_shards, large_prompts, load_shards, training_prompts
+from edge_cli.mtp_chat import HUMANITIES, chat_prompts
+from edge_cli.mtp_data import build_shards, large_prompts, load_shards, prompt_messages, training_prompts
 from edge_runtime.errors import EdgeRuntimeError
 
 
@@ -18,6 +19,49 @@ def test_the_large_set_extends_the_small_one_and_holds_no_mt_bench_question():
     assert all("{" not in m[-1]["content"] for m in large[len(small):])  # every template was filled
     bench = {" ".join(q.lower().split()) for q in mt_bench_prompts(80)}
     assert len(bench) == 80 and not bench & {" ".join(m[-1]["content"].lower().split()) for m in large}
+
+
+def test_the_chat_set_is_seeded_varied_and_holds_no_mt_bench_question():
+    chat = chat_prompts(0)
+    assert len(chat) == len(set(chat)) > 6000 and chat == chat_prompts(0) and chat != chat_prompts(1)
+    assert sorted(chat) != sorted(chat_prompts(1))  # other draws, not only another order
+    assert len(chat_prompts(0, per_kind=100)) == 658  # the probe's list (bench-results/logs/chat-data-small)
+    kinds = {"writing": "Write ", "roleplay": "Pretend you are ", "puzzle": "Explain your reasoning",
+             "math": "Show your work", "code": " function that ", "extraction": "from this review as JSON",
+             "science": "How does "}
+    for kind, marker in kinds.items():
+        assert sum(marker in p for p in chat) >= 10, kind
+    assert sum(any(p.startswith(q) for q in HUMANITIES) for p in chat) == 4 * len(HUMANITIES)  # with each twist
+    assert all("{" not in p or "JSON" in p for p in chat)  # every template was filled
+    bench = {" ".join(q.lower().split()) for q in mt_bench_prompts(80)}
+    assert not bench & {" ".join(p.lower().split()) for p in chat}
+    assert prompt_messages("chat", 0) == [[{"role": "user", "content": p}] for p in chat]
+    assert prompt_messages("large", 0) == large_prompts(0)
+    with pytest.raises(ValueError, match="no sharded prompt set"):
+        prompt_messages("small")
+
+
+def test_the_chat_set_answers_into_shards_of_its_own(tmp_path, native_backend):
+    """--prompt-set chat goes through the same shards as the large set; its folder records the set, so a large
+    folder neither takes its place nor lends it shards."""
+    import json
+
+    from edge_cli.main import main
+
+    folder = tmp_path / "chat"
+    assert main(["train-mtp", "--prompt-set", "chat", "--prompts", "2", "--max-tokens", "6", "--epochs", "0",
+                 "--data", str(folder)]) == 0
+    settings = json.loads((folder / "settings.json").read_text())
+    assert settings["prompt_set"] == "chat" and settings["prompts"] == 2
+    data = load_shards(str(folder))
+    assert len(data["records"]) == 4  # 2 prompts, greedy and sampled
+    assert all(0 < len(r["tokens"]) <= 6 for r in data["records"])
+    with pytest.raises(EdgeRuntimeError, match="other settings"):  # the same folder for the large set
+        build_shards(native_backend, str(folder), num_prompts=2, max_tokens=6, progress=lambda m: None)
+    large = str(tmp_path / "large")
+    said: list[str] = []
+    build_shards(native_backend, large, num_prompts=2, max_tokens=6, progress=said.append, donors=[str(folder)])
+    assert said and not any("copied" in m for m in said)
 
 
 def test_shards_resume_where_they_stopped_and_refuse_other_settings(tmp_path, native_backend):

@@ -1,5 +1,5 @@
 """Probe of the data's distribution (issue 18): the MLP heads' trainer (soft loss, 4 epochs, hidden 1024, no
-taps) on the model's own answers to chat-like prompts (chat_prompts.py, greedy and at 0.8, 160 tokens), about as
+taps) on the model's own answers to chat-like prompts (edge_cli/mtp_chat.py at per_kind=100, greedy and at 0.8, 160 tokens), about as
 many answer tokens as the small set, measured on MT-Bench's 80 first turns replayed at k = 3 alone and with
 prompt lookup (mtp-ngram). Compare: the same trainer on the small set's answers, 1.448 (logs/mlp-readout-and-
 attention-off-4ep/runs.log, `mlp-soft`). Run from the repo root: .venv/bin/python bench-results/logs/chat-data-small/run.py
@@ -12,10 +12,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from chat_prompts import chat_prompts  # noqa: E402
-
 from edge_cli.bench.spec import mt_bench_prompts  # noqa: E402
+from edge_cli.mtp_chat import chat_prompts  # noqa: E402
 from edge_cli.mtp_data import _jobs, _prompt, answer_jobs  # noqa: E402
 from edge_cli.mtp_eval import lookup_walk  # noqa: E402
 from edge_cli.train_attn import MT_BENCH_TOKENS, mlp_figures, mt_bench_records  # noqa: E402
@@ -27,7 +25,7 @@ PATH = ".cache/mtp-chat.pt"
 torch.set_num_threads(2)
 backend = NativeBackend(model="default", threads=2, n_ctx=1024, kv_budget="1GiB")
 if sys.argv[1] == "gen":
-    prompts = chat_prompts()
+    prompts = chat_prompts(per_kind=100)  # the probe's 658 prompts
     jobs = _jobs([[{"role": "user", "content": p}] for p in prompts], (0.0, 0.8))
     t0 = time.time()
     records = answer_jobs(backend, jobs, 160, seed=0, batch=8, progress=None)

@@ -1,7 +1,11 @@
-"""Chat-like prompts for self-distillation (issue 18, a probe of the data's distribution): open writing,
-roleplay, reasoning puzzles, math word problems, coding tasks, extraction from short synthetic passages, and
-questions on science and the humanities. Written for this repo (none is an MT-Bench question, which is the
-evaluation set); numbers and names are drawn with a seeded RNG, so the list is the same on every machine."""
+"""The chat-like prompt set for the MTP heads' data (`train-mtp --prompt-set chat`): open writing, roleplay,
+reasoning puzzles, math word problems, coding tasks, extraction from short made-up passages, and questions on
+science and the humanities. Written for this repo (none is an MT-Bench question: MT-Bench is the evaluation
+set); the templates' numbers and names are drawn with a seeded RNG, so the list is the same on every machine.
+
+At equal size (about 175,000 answer tokens) heads trained on the model's answers to these prompts verify 1.518
+tokens per verification on MT-Bench against 1.448 for the small set's (bench-results/logs/chat-data-small).
+`chat_prompts(per_kind=100)` is the list that probe answered (658 prompts)."""
 import random
 
 WRITING_FORMS = ["a blog post", "a short speech", "a persuasive email", "a product description", "a cover letter",
@@ -121,7 +125,9 @@ def _extraction(rng):
     return f"Which city is the warmest in July according to this text? Give each city's figures first.\n\n{text}"
 
 
-def chat_prompts(seed: int = 0, per_kind: int = 100) -> list[str]:
+def chat_prompts(seed: int = 0, per_kind: int = 2000) -> list[str]:
+    """`per_kind` draws of each of the eight kinds, in turn, duplicates dropped (the kinds with few templates
+    run out first), shuffled with `seed`: 6,615 prompts at the default."""
     rng = random.Random(seed)
     out = []
     for _ in range(per_kind):
@@ -137,9 +143,3 @@ def chat_prompts(seed: int = 0, per_kind: int = 100) -> list[str]:
     rng.shuffle(out)
     return out
 
-
-if __name__ == "__main__":
-    p = chat_prompts()
-    print(len(p))
-    for x in p[:12]:
-        print("-", x.replace("\n", " ")[:150])
