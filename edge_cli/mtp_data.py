@@ -236,7 +236,8 @@ def build_shards(backend, out_dir: str, num_prompts: int | None = None, max_toke
                  temperatures: tuple = (0.0, 0.8), seed: int = 0, shard_jobs: int = 256, batch: int = 16,
                  progress=print, donors: tuple[str, ...] = (), limit: int | None = None,
                  prompt_set: str = "large") -> dict:
-    """Answers to the large set (or another of PROMPT_SETS), in shards of `shard_jobs` answers (`shard-00000.pt` ...), for data at scale.
+    """Answers to `prompt_set` (one of PROMPT_SETS), in shards of `shard_jobs` answers (`shard-00000.pt` ...),
+    for data at scale.
 
     Resumable: a shard already on disk is kept (each is written whole, then renamed), so the command can be
     stopped and run again, on this machine or another, and goes on where it was; `settings.json` records what

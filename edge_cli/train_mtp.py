@@ -216,7 +216,7 @@ def train(data: dict, backend, depth: int = 4, hidden: int = 1024, draft_vocab: 
     return head.eval(), report
 
 
-def large_folder(prompts: int, taps: tuple[int, ...] = (), prompt_set: str = "large") -> str:
+def shard_folder(prompts: int, taps: tuple[int, ...] = (), prompt_set: str = "large") -> str:
     """A sharded set's default folder: in the per-user cache (~/.cache/edge-runtime or $EDGE_RUNTIME_CACHE),
     not the checkout, so a fresh checkout on the same machine goes on where the last run stopped; one folder
     per set and prompt count (a folder's shards are answers to one job list)."""
@@ -226,7 +226,7 @@ def large_folder(prompts: int, taps: tuple[int, ...] = (), prompt_set: str = "la
     return os.path.join(cache_root(), f"mtp-{prompt_set}-{prompts or 'all'}{tapped}")
 
 
-def large_folders(prompt_set: str = "large") -> list[str]:
+def shard_folders(prompt_set: str = "large") -> list[str]:
     """A sharded set's folders in the per-user cache: other prompt counts and taps, whose shards a run takes
     rather than answering the same jobs again (`build_shards`' donors)."""
     from kernels.compile_cache import cache_root
@@ -271,11 +271,11 @@ def run_train_mtp(args) -> int:
     backend.model.taps = taps
     temps = tuple(float(t) for t in args.temperatures.split(","))
     if sharded:  # shards in a folder, resumable
-        folder = args.data or large_folder(args.prompts, taps, args.prompt_set)
+        folder = args.data or shard_folder(args.prompts, taps, args.prompt_set)
         print(f"train-mtp: the model answers the {args.prompt_set} prompt set into {folder} (shards already there "
               "are kept)")
         build_shards(backend, folder, args.prompts or None, args.max_tokens, temps, seed=args.seed,
-                     donors=large_folders(args.prompt_set), limit=args.shards, prompt_set=args.prompt_set)
+                     donors=shard_folders(args.prompt_set), limit=args.shards, prompt_set=args.prompt_set)
         data = load_shards(folder, args.shards)
     elif os.path.exists(args.data or SMALL_DATA):
         data = torch.load(args.data or SMALL_DATA)

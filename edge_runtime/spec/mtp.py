@@ -252,9 +252,7 @@ class MtpDrafter:
         """One head step for F drafts at once: states h [F, dim] and the tokens they chose -> the next
         states [F, dim] and their draft-vocabulary logits [F, len(vocab)] (F <= 8 on the Q8 path)."""
         rows = [self.row_of.get(t) for t in tokens]
-        if len(rows) == 1 and rows[0] is not None:  # a draft: its embedding is a draft-vocabulary row, no lookup
-            e = self.head_rows[rows[0]:rows[0] + 1]
-        elif None not in rows:
+        if None not in rows:  # drafts: their embeddings are draft-vocabulary rows, no lookup
             e = self.head_rows[rows]
         else:
             e = self.embed(torch.tensor(tokens)).reshape(len(tokens), -1)

@@ -201,7 +201,7 @@ def test_a_drafts_embedding_is_read_from_the_draft_vocabulary_rows(native_backen
     """head_step takes a draft token's embedding from head_rows (the draft vocabulary's rows of the model's
     embedding, computed once) instead of a lookup: the same values, so the same step bit for bit; a token
     outside the draft vocabulary (the verified token a chain starts from) still goes through the lookup."""
-    drafter = MtpDrafter.for_backend(native_backend)
+    drafter = MtpDrafter(MtpHead.load(find_heads(native_backend))[0], native_backend.model.embedding)  # taps unset
     width = (1 + len(drafter.head.taps)) * drafter.head.dim
     outside = next(t for t in range(1000, 49152) if t not in drafter.row_of)
     for tokens in ([drafter.vocab[5]], [drafter.vocab[7], drafter.vocab[4000]], [drafter.vocab[3], outside]):
