@@ -5,8 +5,15 @@ set); the templates' numbers and names are drawn with a seeded RNG, so the list 
 
 At equal size (about 175,000 answer tokens) heads trained on the model's answers to these prompts verify 1.518
 tokens per verification on MT-Bench against 1.448 for the small set's (bench-results/logs/chat-data-small).
-`chat_prompts(per_kind=100)` is the list that probe answered (658 prompts)."""
+`chat_prompts(per_kind=100)` is the list that probe answered (658 prompts).
+
+`written_prompts` is the other chat set (`train-mtp --prompt-set written`): 2,040 prompts written one by one
+(edge_runtime/data/mtp_written_prompts.json, six kinds of 340), none a template's."""
+import json
+import os
 import random
+
+from edge_runtime import DATA_DIR
 
 WRITING_FORMS = ["a blog post", "a short speech", "a persuasive email", "a product description", "a cover letter",
                  "a short story opening", "a thank-you note", "a newsletter introduction", "a restaurant review",
@@ -143,3 +150,16 @@ def chat_prompts(seed: int = 0, per_kind: int = 2000) -> list[str]:
     rng.shuffle(out)
     return out
 
+
+
+def written_kinds() -> dict[str, list[str]]:
+    """The written prompts by kind (writing, roleplay, reasoning_math, coding, extraction, knowledge), as stored."""
+    with open(os.path.join(DATA_DIR, "mtp_written_prompts.json"), encoding="utf-8") as f:
+        return json.load(f)["kinds"]
+
+
+def written_prompts(seed: int = 0) -> list[str]:
+    """Every written prompt, the kinds mixed in an order shuffled with `seed` (so `--prompts N` takes some of each)."""
+    out = [p for kind in sorted(written_kinds().items()) for p in kind[1]]
+    random.Random(seed).shuffle(out)
+    return out

@@ -96,18 +96,22 @@ def large_prompts(seed: int = 0) -> list[list[dict]]:
     return out
 
 
-PROMPT_SETS = ("large", "chat")  # the sets answered into shards (build_shards); "small" is one file
+PROMPT_SETS = ("large", "chat", "written")  # the sets answered into shards (build_shards); "small" is one file
 
 
 def prompt_messages(prompt_set: str, seed: int = 0) -> list[list[dict]]:
-    """A sharded prompt set as message lists: "large" (`large_prompts`) or "chat" (edge_cli/mtp_chat.py's
-    chat-like prompts, one user turn each)."""
+    """A sharded prompt set as message lists: "large" (`large_prompts`), "chat" (edge_cli/mtp_chat.py's
+    chat-like prompts from templates) or "written" (its prompts written one by one), one user turn each."""
     if prompt_set == "large":
         return large_prompts(seed)
     if prompt_set == "chat":
         from edge_cli.mtp_chat import chat_prompts
 
         return [[{"role": "user", "content": p}] for p in chat_prompts(seed)]
+    if prompt_set == "written":
+        from edge_cli.mtp_chat import written_prompts
+
+        return [[{"role": "user", "content": p}] for p in written_prompts(seed)]
     raise ValueError(f"no sharded prompt set {prompt_set!r}: {' or '.join(PROMPT_SETS)}")
 
 

@@ -250,15 +250,15 @@ def run_train_mtp(args) -> int:
     taps = tuple(sorted(set(args.taps or ())))
     sharded = args.prompt_set in PROMPT_SETS
     if args.shards is not None and (not sharded or args.shards < 1):
-        raise EdgeRuntimeError(f"train-mtp: --shards applies to --prompt-set large or chat and must be at least 1, "
-                               f"not {args.shards} with --prompt-set {args.prompt_set}")
+        raise EdgeRuntimeError(f"train-mtp: --shards applies to --prompt-set large, chat or written and must be at "
+                               f"least 1, not {args.shards} with --prompt-set {args.prompt_set}")
     if args.arch == "attention" and args.precision is not None:
         raise EdgeRuntimeError("train-mtp: --precision applies to the MLP heads (the attention head trains in fp32)")
     if args.arch == "attention" and args.loss is not None:
         raise EdgeRuntimeError("train-mtp: --loss applies to the MLP heads (the attention head trains on the argmax)")
     if taps and (args.arch == "attention" or not sharded):
-        raise EdgeRuntimeError("train-mtp: --taps applies to the MLP heads (--arch mlp) on --prompt-set large or "
-                               "chat")
+        raise EdgeRuntimeError("train-mtp: --taps applies to the MLP heads (--arch mlp) on --prompt-set large, "
+                               "chat or written")
     if args.arch == "mlp" and (args.curve or args.mt_bench != 80) and not args.json:
         raise EdgeRuntimeError("train-mtp: --curve and --mt-bench measure heads on MT-Bench: name the --json file "
                                "for the figures")
@@ -321,17 +321,20 @@ def add_train_mtp_parser(sub) -> None:
     t.add_argument("--prompt-set", choices=("small", *PROMPT_SETS), default="small",
                    help="small: the 782 prompts of the shipped heads (one file); large: mtp_prompts.json's templates "
                         "over its topics and its tasks too (about 25,000 prompts); chat: chat-like writing, roleplay, "
-                        "reasoning, math, code, extraction and questions (6,615 prompts, edge_cli/mtp_chat.py); "
-                        "large and chat answer into shards in the --data folder, resumable")
+                        "reasoning, math, code, extraction and questions from templates (6,615 prompts, "
+                        "edge_cli/mtp_chat.py); written: the same kinds written one by one (2,040 prompts, "
+                        "data/mtp_written_prompts.json); large, chat and written answer into shards in the --data "
+                        "folder, resumable")
     t.add_argument("--prompts", type=int, default=0, help="training prompts the model answers (0 = all of the set)")
     t.add_argument("--temperatures", default="0,0.8", help="one answer per prompt at each temperature")
     t.add_argument("--max-tokens", type=int, default=160, help="tokens per answer")
     t.add_argument("--data", default=None,
                    help="cache of the answers and hidden states, reused when it exists (default: .cache/mtp-data.pt; "
-                        "with --prompt-set large or chat a folder, ~/.cache/edge-runtime/mtp-SET-N for --prompts N)")
+                        "with --prompt-set large, chat or written a folder, ~/.cache/edge-runtime/mtp-SET-N for --prompts "
+                        "N)")
     t.add_argument("--shards", type=int, default=None,
-                   help="--prompt-set large or chat: answer and train on the first N shards of the job list only "
-                        "(256 answers each, greedy ones first; default all)")
+                   help="--prompt-set large, chat or written: answer and train on the first N shards of the job list "
+                        "only (256 answers each, greedy ones first; default all)")
     t.add_argument("--depth", type=int, default=4, help="drafts the head learns to chain")
     t.add_argument("--hidden", type=int, default=1024, help="the head's MLP width")
     t.add_argument("--draft-vocab", type=int, default=4096, help="tokens the head can draft")
@@ -344,8 +347,8 @@ def add_train_mtp_parser(sub) -> None:
                    help="--arch attention: whole answers per optimizer step (default 8)")
     t.add_argument("--taps", type=lambda v: [int(x) for x in v.split(",")], default=None,
                    help="layers whose output the heads' first step reads too (EAGLE-3's fusion), e.g. 20,26; "
-                        "--prompt-set large or chat (shards in their own folder; a shard another folder of the cache already "
-                        "answered is copied, or given the taps from its answers)")
+                        "--prompt-set large, chat or written (shards in their own folder; a shard another folder of the "
+                        "cache already answered is copied, or given the taps from its answers)")
     t.add_argument("--loss", choices=("soft", "hard"), default=None,
                    help="the MLP heads' targets: soft (default), the model's own distribution over the draft "
                         "vocabulary at each position; hard, its argmax alone")

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from edge_cli.bench.spec import mt_bench_prompts
-from edge_cli.mtp_chat import HUMANITIES, chat_prompts
+from edge_cli.mtp_chat import HUMANITIES, chat_prompts, written_kinds, written_prompts
 from edge_cli.mtp_data import build_shards, large_prompts, load_shards, prompt_messages, training_prompts
 from edge_runtime.errors import EdgeRuntimeError
 
@@ -39,6 +39,33 @@ def test_the_chat_set_is_seeded_varied_and_holds_no_mt_bench_question():
     assert prompt_messages("large", 0) == large_prompts(0)
     with pytest.raises(ValueError, match="no sharded prompt set"):
         prompt_messages("small")
+
+
+def test_the_written_set_is_distinct_seeded_and_far_from_every_mt_bench_question():
+    """The written prompts: six kinds of 340, no prompt twice, and none close to an MT-Bench question (the
+    evaluation set): difflib's ratio on words to the nearest of the 80 stays below 0.5 (0.40 at most today; a
+    paraphrase of a question scores far above that)."""
+    import difflib
+
+    kinds = written_kinds()
+    assert sorted(kinds) == ["coding", "extraction", "knowledge", "reasoning_math", "roleplay", "writing"]
+    assert all(len(v) == 340 for v in kinds.values())
+    written = written_prompts(0)
+    assert len(written) == len(set(written)) == 2040 and sorted(written) == sorted(written_prompts(1))
+    assert written == written_prompts(0) != written_prompts(1)
+    assert len({p for p in written[:200]} & set(kinds["coding"])) > 10  # shuffled: the first prompts mix the kinds
+    bench = [q.lower().split() for q in mt_bench_prompts(80)]
+    matcher = difflib.SequenceMatcher()
+    for p in written:
+        matcher.set_seq2(p.lower().split())
+        for q in bench:
+            matcher.set_seq1(q)
+            if matcher.real_quick_ratio() >= 0.5 and matcher.quick_ratio() >= 0.5:
+                assert matcher.ratio() < 0.5, (p, " ".join(q))
+    paraphrase = bench[0][:-3] + ["for", "me", "please"]  # a question with its last words changed scores high
+    matcher.set_seqs(bench[0], paraphrase)
+    assert matcher.ratio() > 0.8
+    assert prompt_messages("written", 0) == [[{"role": "user", "content": p}] for p in written]
 
 
 def test_the_chat_set_answers_into_shards_of_its_own(tmp_path, native_backend):
