@@ -7,8 +7,8 @@ At equal size (about 175,000 answer tokens) heads trained on the model's answers
 tokens per verification on MT-Bench against 1.448 for the small set's (bench-results/logs/chat-data-small).
 `chat_prompts(per_kind=100)` is the list that probe answered (658 prompts).
 
-`written_prompts` is the other chat set (`train-mtp --prompt-set written`): 2,040 prompts written one by one
-(edge_runtime/data/mtp_written_prompts.json, six kinds of 340), none a template's."""
+`written_prompts` is the other chat set (`train-mtp --prompt-set written`): 4,080 prompts written one by one
+(edge_runtime/data/mtp_written_prompts.json, two rounds of six kinds of 340), none a template's."""
 import json
 import os
 import random
@@ -152,14 +152,29 @@ def chat_prompts(seed: int = 0, per_kind: int = 2000) -> list[str]:
 
 
 
-def written_kinds() -> dict[str, list[str]]:
-    """The written prompts by kind (writing, roleplay, reasoning_math, coding, extraction, knowledge), as stored."""
+def written_rounds() -> list[dict[str, list[str]]]:
+    """The written prompts as stored: rounds, each written at one time, each six kinds (writing, roleplay,
+    reasoning_math, coding, extraction, knowledge)."""
     with open(os.path.join(DATA_DIR, "mtp_written_prompts.json"), encoding="utf-8") as f:
-        return json.load(f)["kinds"]
+        return json.load(f)["rounds"]
+
+
+def written_kinds() -> dict[str, list[str]]:
+    """The written prompts by kind, each kind's rounds one after the other."""
+    out: dict[str, list[str]] = {}
+    for written in written_rounds():
+        for kind, prompts in written.items():
+            out.setdefault(kind, []).extend(prompts)
+    return out
 
 
 def written_prompts(seed: int = 0) -> list[str]:
-    """Every written prompt, the kinds mixed in an order shuffled with `seed` (so `--prompts N` takes some of each)."""
-    out = [p for kind in sorted(written_kinds().items()) for p in kind[1]]
-    random.Random(seed).shuffle(out)
+    """Every written prompt: each round's kinds mixed in an order shuffled with `seed` (so `--prompts N` takes
+    some of each), the rounds one after the other, so a round added later leaves the earlier prompts' order,
+    and `--prompts N` over them, as it was."""
+    rng, out = random.Random(seed), []
+    for written in written_rounds():
+        batch = [p for kind in sorted(written.items()) for p in kind[1]]
+        rng.shuffle(batch)
+        out += batch
     return out
