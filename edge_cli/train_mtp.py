@@ -216,14 +216,17 @@ def train(data: dict, backend, depth: int = 4, hidden: int = 1024, draft_vocab: 
     return head.eval(), report
 
 
-def shard_folder(prompts: int, taps: tuple[int, ...] = (), prompt_set: str = "large") -> str:
+def shard_folder(prompts: int, taps: tuple[int, ...] = (), prompt_set: str = "large", seed: int = 0) -> str:
     """A sharded set's default folder: in the per-user cache (~/.cache/edge-runtime or $EDGE_RUNTIME_CACHE),
     not the checkout, so a fresh checkout on the same machine goes on where the last run stopped; one folder
-    per set and prompt count (a folder's shards are answers to one job list)."""
+    per set and prompt count (a folder's shards are answers to one job list). `prompts` 0 is the whole set,
+    named by its count: a set that grows gets a new folder, and the old one lends it the shards they share."""
     from kernels.compile_cache import cache_root
+    from edge_cli.mtp_data import prompt_messages
 
+    count = len(prompt_messages(prompt_set, seed))
     tapped = f"-taps{'-'.join(map(str, taps))}" if taps else ""
-    return os.path.join(cache_root(), f"mtp-{prompt_set}-{prompts or 'all'}{tapped}")
+    return os.path.join(cache_root(), f"mtp-{prompt_set}-{min(prompts or count, count)}{tapped}")
 
 
 def shard_folders(prompt_set: str = "large") -> list[str]:
@@ -271,7 +274,7 @@ def run_train_mtp(args) -> int:
     backend.model.taps = taps
     temps = tuple(float(t) for t in args.temperatures.split(","))
     if sharded:  # shards in a folder, resumable
-        folder = args.data or shard_folder(args.prompts, taps, args.prompt_set)
+        folder = args.data or shard_folder(args.prompts, taps, args.prompt_set, args.seed)
         print(f"train-mtp: the model answers the {args.prompt_set} prompt set into {folder} (shards already there "
               "are kept)")
         build_shards(backend, folder, args.prompts or None, args.max_tokens, temps, seed=args.seed,
@@ -330,8 +333,8 @@ def add_train_mtp_parser(sub) -> None:
     t.add_argument("--max-tokens", type=int, default=160, help="tokens per answer")
     t.add_argument("--data", default=None,
                    help="cache of the answers and hidden states, reused when it exists (default: .cache/mtp-data.pt; "
-                        "with --prompt-set large, chat or written a folder, ~/.cache/edge-runtime/mtp-SET-N for --prompts "
-                        "N)")
+                        "with --prompt-set large, chat or written a folder, ~/.cache/edge-runtime/mtp-SET-N, N the prompts "
+                        "answered)")
     t.add_argument("--shards", type=int, default=None,
                    help="--prompt-set large, chat or written: answer and train on the first N shards of the job list "
                         "only (256 answers each, greedy ones first; default all)")

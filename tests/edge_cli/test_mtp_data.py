@@ -75,6 +75,18 @@ def test_the_written_set_is_distinct_seeded_and_far_from_every_mt_bench_question
     assert prompt_messages("written", 0) == [[{"role": "user", "content": p}] for p in written]
 
 
+def test_the_default_shard_folder_is_named_by_the_prompts_it_answers(tmp_path, monkeypatch):
+    """`--prompts 0` (the whole set) names its folder by the set's count, so a set that grows (the written set's
+    round 2) gets a folder of its own instead of one whose shards answer another job list."""
+    from edge_cli.train_mtp import shard_folder
+
+    monkeypatch.setenv("EDGE_RUNTIME_CACHE", str(tmp_path))
+    count = len(written_prompts(0))
+    assert shard_folder(0, (20, 26), "written") == str(tmp_path / f"mtp-written-{count}-taps20-26")
+    assert shard_folder(2040, (), "written") == str(tmp_path / "mtp-written-2040")
+    assert shard_folder(10 * count, (), "written") == str(tmp_path / f"mtp-written-{count}")  # --prompts past the set
+
+
 def test_the_chat_set_answers_into_shards_of_its_own(tmp_path, native_backend):
     """--prompt-set chat goes through the same shards as the large set; its folder records the set, so a large
     folder neither takes its place nor lends it shards."""
