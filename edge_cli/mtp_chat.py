@@ -151,7 +151,6 @@ def chat_prompts(seed: int = 0, per_kind: int = 2000) -> list[str]:
     return out
 
 
-
 def written_rounds() -> list[dict[str, list[str]]]:
     """The written prompts as stored: rounds, each written at one time, each six kinds (writing, roleplay,
     reasoning_math, coding, extraction, knowledge)."""
