@@ -198,15 +198,12 @@ def test_the_mlp_heads_curve_follows_from_its_chain_accuracy(committed):
     assert f"{d['curve'][-1]['mean_accepted_k3']:.3g}" in page
 
 
-def test_the_tapped_heads_figures_follow_from_their_chain_accuracy_and_are_the_shipped_heads(committed, native_backend):
+def test_the_tapped_heads_figures_follow_from_their_chain_accuracy(committed):
     """bench-results/mtp-train-taps.json (`train-mtp --taps 20,26 --epochs 2 --curve 2000 --json`, soft loss) and
     mtp-train-taps-4ep.json (the same data, 4 epochs): each figure recomputed from its chain accuracy; the
-    4-epoch run wrote the shipped heads (their metadata carries its last point) and measured the 2-epoch
-    heads it replaced (the 2-epoch run's last point) on the same answers; the page shows both."""
-    import json
-
+    4-epoch run (the heads shipped until the written prompts' below) measured the 2-epoch heads it replaced
+    (the 2-epoch run's last point) on the same answers; the page shows both."""
     from edge_cli.train_mtp import expected_accepted
-    from edge_runtime.spec.mtp import MtpHead, find_heads
 
     page, sections, _ = committed
     d, d4 = _json("mtp-train-taps.json"), _json("mtp-train-taps-4ep.json")
@@ -222,11 +219,6 @@ def test_the_tapped_heads_figures_follow_from_their_chain_accuracy_and_are_the_s
     assert d4["curve"][-1]["train_answer_tokens"] == tokens[-1]  # the same data, twice the epochs
     # the heads it replaced, replayed on the same MT-Bench answers, measure what they measured when written
     assert d4["mlp_shipped_before"]["mean_accepted_k3"] == pytest.approx(d["curve"][-1]["mean_accepted_k3"], abs=0.005)
-    head, meta = MtpHead.load(find_heads(native_backend))
-    training = json.loads(meta["training"])
-    assert head.taps == (20, 26) and training["loss"] == "soft" and training["taps"] == [20, 26]
-    assert training["epochs"] == 4
-    assert training["mt_bench_tokens_per_verification_k3"] == round(d4["curve"][-1]["mean_accepted_k3"], 4)
     assert any(s.kind == "mtp-curve" and "taps 20,26" in s.title for s in sections)
 
 
@@ -251,3 +243,41 @@ def test_the_heads_of_two_and_a_half_million_tokens_are_measured_against_the_shi
     assert gen["tokens_per_s"] == pytest.approx(gen["answer_tokens"] / gen["seconds"])
     assert any(s.kind == "mtp-curve" and "bf16" in s.title for s in sections)
     assert f"{d['curve'][-1]['mean_accepted_k3']:.3g}" in page
+
+
+def test_the_written_prompts_curve_follows_from_its_chain_accuracy_and_made_the_shipped_heads(committed, native_backend):
+    """bench-results/mtp-train-written-8-shards.json, mtp-train-written.json and mtp-train-written-4080.json
+    (`train-mtp --prompt-set written --taps 20,26 --epochs 2 --json`, half of round 1, round 1, rounds 1 and 2):
+    each figure recomputed from its chain accuracy and its generation rate from its tokens and time; all three
+    measured the heads shipped before (the 4-epoch templated ones) on the same MT-Bench answers, so their points
+    compare; the largest wrote the shipped heads (their metadata carries its point) and the page shows each."""
+    from edge_cli.train_mtp import expected_accepted
+    from edge_runtime.spec.mtp import MtpHead, find_heads
+
+    page, _, _ = committed
+    runs = [_json(f"mtp-train-written{s}.json") for s in ("-8-shards", "", "-4080")]
+    d4 = _json("mtp-train-taps-4ep.json")
+    points = []
+    for run in runs:
+        assert run["taps"] == [20, 26] and run["loss"] == "soft" and run["epochs"] == 2 and run["precision"] == "fp32"
+        for h in (*run["curve"], run["mlp_shipped_before"]):
+            assert h["expected_accepted_k3"] == pytest.approx(expected_accepted(h["chain_accuracy"], 3), abs=1e-9)
+            assert 1 <= h["mean_accepted_k3"] <= 4 and len(h["acceptance_per_position"]) == 3
+        # the same 80 MT-Bench answers and the same heads shipped before, replayed: what the 4-epoch run measured
+        assert run["mt_bench_answers"] == 80 and run["mt_bench_answer_tokens"] == runs[0]["mt_bench_answer_tokens"]
+        assert run["mlp_shipped_before"]["mean_accepted_k3"] == pytest.approx(d4["curve"][-1]["mean_accepted_k3"],
+                                                                               abs=0.005)
+        gen = run["generation"]
+        assert gen["answer_tokens"] == run["curve"][-1]["train_answer_tokens"]
+        assert gen["tokens_per_s"] == pytest.approx(gen["answer_tokens"] / gen["seconds"])
+        points.append((gen["answer_tokens"], run["curve"][-1]["mean_accepted_k3"]))
+        assert f"{run['curve'][-1]['mean_accepted_k3']:.3g}" in page
+    assert [p[0] for p in points] == sorted(p[0] for p in points)  # the curve's three data sizes, growing
+    assert [r["generation"]["prompts"] for r in runs] == [2040, 2040, 4080]
+    head, meta = MtpHead.load(find_heads(native_backend))
+    training = json.loads(meta["training"])
+    assert head.taps == (20, 26) and training["loss"] == "soft" and training["taps"] == [20, 26]
+    assert training["epochs"] == 2 and training["prompts"] == 4080 and training["precision"] == "fp32"
+    last = runs[-1]["curve"][-1]
+    assert training["mt_bench_tokens_per_verification_k3"] == round(last["mean_accepted_k3"], 4)
+    assert training["held_out_chain_accuracy"] == last["held_out_chain_accuracy"]
