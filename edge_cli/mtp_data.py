@@ -131,17 +131,19 @@ class _Answer:
         self.history.append(token)
         return token not in eog and len(self.toks) < self.max_tokens and len(self.history) < n_ctx
 
-    def record(self) -> dict:
-        return {"hidden": torch.stack(self.hs).to(torch.float16), "tokens": torch.tensor(self.toks),
+    def record(self, dtype: torch.dtype = torch.float16) -> dict:
+        return {"hidden": torch.stack(self.hs).to(dtype), "tokens": torch.tensor(self.toks),
                 "greedy": torch.tensor(self.greedy)}
 
 
 @torch.inference_mode()
-def answer_jobs(backend, jobs: list[tuple], max_tokens: int, seed: int, batch: int = 8, progress=print) -> list[dict]:
+def answer_jobs(backend, jobs: list[tuple], max_tokens: int, seed: int, batch: int = 8, progress=print,
+                hidden_dtype: torch.dtype = torch.float16) -> list[dict]:
     """The records of `jobs` [(temperature, job number, messages)], in order; job n samples with seed + n.
 
     Up to `batch` answers decode together through the fused batched step (each row computed exactly
-    as a lone one-token step, so the records equal what single-stream decoding would give)."""
+    as a lone one-token step, so the records equal what single-stream decoding would give). The hidden
+    rows are kept as `hidden_dtype`: fp16 halves the training shards; fp32 keeps them as the engine has them."""
     model, runner = backend.model, backend.runner
     if model.fused is None:
         raise RuntimeError("building MTP data needs the fused GGUF decode step (x86-64 with AVX2)")
@@ -165,7 +167,7 @@ def answer_jobs(backend, jobs: list[tuple], max_tokens: int, seed: int, batch: i
                 if a.sample(runner.eog_ids, runner.n_ctx):
                     live[slot] = a
                 else:
-                    records[a.index], done = a.record(), done + 1
+                    records[a.index], done = a.record(hidden_dtype), done + 1
         if not live:
             continue
         slots = sorted(live)
@@ -177,7 +179,7 @@ def answer_jobs(backend, jobs: list[tuple], max_tokens: int, seed: int, batch: i
             a.logits, a.hidden = logits[r], hidden[r]
             tokens += 1
             if not a.sample(runner.eog_ids, runner.n_ctx):
-                records[a.index], done = a.record(), done + 1
+                records[a.index], done = a.record(hidden_dtype), done + 1
                 del live[slot]
                 if progress and done % 40 == 0:
                     progress(f"  {done}/{len(jobs)} answers, {tokens} tokens")
@@ -203,7 +205,7 @@ def add_taps(backend, jobs: list[tuple], records: list[dict], max_tokens: int) -
         ids, n = _prompt(backend, messages, max_tokens), len(r["tokens"])
         runner.reset()
         model.fused.step_chunk(ids + r["tokens"][:n - 1].tolist(), 0, model.identity_table, head="last")
-        wide = model.fused.chunk_hidden[len(ids) - 1:len(ids) - 1 + n].to(torch.float16)
+        wide = model.fused.chunk_hidden[len(ids) - 1:len(ids) - 1 + n].to(r["hidden"].dtype)
         if not torch.equal(wide[:, :model.cfg.dim], r["hidden"]):
             raise EdgeRuntimeError("train-mtp: the answers recomputed with taps differ from the recorded ones "
                                    "(another build or arithmetic made the shards): answer them again")

@@ -108,17 +108,18 @@ def train_attention(records: list[dict], backend, steps: int = 4, hidden: int = 
 
 
 def mt_bench_records(backend, n: int = 80, max_tokens: int = 128, path: str | None = None) -> list[dict]:
-    """The model's greedy answers to the first turns of MT-Bench, with their hidden states (cached at `path`)."""
+    """The model's greedy answers to the first turns of MT-Bench, with their hidden states in fp32, as the engine's
+    drafter gets them (so a replay over them drafts what the engine drafts; cached at `path`, a cache of fp16
+    states, as the files before 2026-12-05 were, is answered again)."""
     import os
 
     from edge_cli.bench.spec import mt_bench_prompts
     from edge_cli.mtp_data import add_taps, answer_jobs
 
     jobs = [(0.0, i, [{"role": "user", "content": q}]) for i, q in enumerate(mt_bench_prompts(n))]
-    if path and os.path.exists(path):
-        records = torch.load(path)
-    else:
-        records = answer_jobs(backend, jobs, max_tokens, seed=0, progress=None)
+    records = torch.load(path) if path and os.path.exists(path) else None
+    if records is None or records[0]["hidden"].dtype != torch.float32:
+        records = answer_jobs(backend, jobs, max_tokens, seed=0, progress=None, hidden_dtype=torch.float32)
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             torch.save(records, path)
