@@ -281,3 +281,24 @@ def test_the_written_prompts_curve_follows_from_its_chain_accuracy_and_made_the_
     last = runs[-1]["curve"][-1]
     assert training["mt_bench_tokens_per_verification_k3"] == round(last["mean_accepted_k3"], 4)
     assert training["held_out_chain_accuracy"] == last["held_out_chain_accuracy"]
+
+
+def test_the_round_three_heads_are_measured_against_the_shipped_ones(committed):
+    """bench-results/mtp-train-written-6120.json (`train-mtp --prompt-set written --prompts 0 --taps 20,26 --epochs 2
+    --precision bf16 --json`, rounds 1-3): its figures recomputed from their chain accuracy and its generation rate from its tokens
+    and time; it measured the shipped heads (the 4,080-prompt run's) on the same MT-Bench answers, now replayed over
+    fp32 states (the 4,080-prompt run replayed fp16 ones: within 0.005), on more tokens than theirs."""
+    from edge_cli.train_mtp import expected_accepted
+
+    page, _, _ = committed
+    d, d2 = _json("mtp-train-written-6120.json"), _json("mtp-train-written-4080.json")
+    assert d["taps"] == [20, 26] and d["loss"] == "soft" and d["epochs"] == 2 and d["precision"] == "bf16"
+    for h in (*d["curve"], d["mlp_shipped_before"]):
+        assert h["expected_accepted_k3"] == pytest.approx(expected_accepted(h["chain_accuracy"], 3), abs=1e-9)
+        assert 1 <= h["mean_accepted_k3"] <= 4 and len(h["acceptance_per_position"]) == 3
+    assert d["mlp_shipped_before"]["mean_accepted_k3"] == pytest.approx(d2["curve"][-1]["mean_accepted_k3"], abs=0.005)
+    gen = d["generation"]
+    assert gen["prompts"] == 6120 and gen["answers"] == 2 * 6120
+    assert gen["answer_tokens"] == d["curve"][-1]["train_answer_tokens"] > d2["generation"]["answer_tokens"]
+    assert gen["tokens_per_s"] == pytest.approx(gen["answer_tokens"] / gen["seconds"])
+    assert f"{d['curve'][-1]['mean_accepted_k3']:.3g}" in page
