@@ -80,6 +80,19 @@ def _json(name: str) -> dict:
         return json.load(f)
 
 
+def _check_heads_run(run: dict) -> None:
+    """A `train-mtp --json` run's figures recomputed: each head's tokens per verification from its chain accuracy
+    (the replayed figure below the estimate's bound), and the generation rate from its tokens and time."""
+    from edge_cli.train_mtp import expected_accepted
+
+    for h in (*run["curve"], run["mlp_shipped_before"]):
+        assert h["expected_accepted_k3"] == pytest.approx(expected_accepted(h["chain_accuracy"], 3), abs=1e-9)
+        assert 1 <= h["mean_accepted_k3"] <= 4 and len(h["acceptance_per_position"]) == 3
+    gen = run["generation"]
+    assert gen["answer_tokens"] == run["curve"][-1]["train_answer_tokens"]
+    assert gen["tokens_per_s"] == pytest.approx(gen["answer_tokens"] / gen["seconds"])
+
+
 def _ratio(sections, kind: str, key: str, source: str | None = None) -> float:
     """The ratio the page shows in the row of `key` ("2.21 (concurrent_over_sequential)")."""
     rows = [r for s in sections if s.kind == kind and (source is None or s.source == source) for r in s.rows
@@ -251,7 +264,6 @@ def test_the_written_prompts_curve_follows_from_its_chain_accuracy_and_made_the_
     each figure recomputed from its chain accuracy and its generation rate from its tokens and time; all three
     measured the heads shipped before (the 4-epoch templated ones) on the same MT-Bench answers, so their points
     compare; the largest wrote the shipped heads (their metadata carries its point) and the page shows each."""
-    from edge_cli.train_mtp import expected_accepted
     from edge_runtime.spec.mtp import MtpHead, find_heads
 
     page, _, _ = committed
@@ -260,17 +272,12 @@ def test_the_written_prompts_curve_follows_from_its_chain_accuracy_and_made_the_
     points = []
     for run in runs:
         assert run["taps"] == [20, 26] and run["loss"] == "soft" and run["epochs"] == 2 and run["precision"] == "fp32"
-        for h in (*run["curve"], run["mlp_shipped_before"]):
-            assert h["expected_accepted_k3"] == pytest.approx(expected_accepted(h["chain_accuracy"], 3), abs=1e-9)
-            assert 1 <= h["mean_accepted_k3"] <= 4 and len(h["acceptance_per_position"]) == 3
+        _check_heads_run(run)
         # the same 80 MT-Bench answers and the same heads shipped before, replayed: what the 4-epoch run measured
         assert run["mt_bench_answers"] == 80 and run["mt_bench_answer_tokens"] == runs[0]["mt_bench_answer_tokens"]
         assert run["mlp_shipped_before"]["mean_accepted_k3"] == pytest.approx(d4["curve"][-1]["mean_accepted_k3"],
                                                                                abs=0.005)
-        gen = run["generation"]
-        assert gen["answer_tokens"] == run["curve"][-1]["train_answer_tokens"]
-        assert gen["tokens_per_s"] == pytest.approx(gen["answer_tokens"] / gen["seconds"])
-        points.append((gen["answer_tokens"], run["curve"][-1]["mean_accepted_k3"]))
+        points.append((run["generation"]["answer_tokens"], run["curve"][-1]["mean_accepted_k3"]))
         assert f"{run['curve'][-1]['mean_accepted_k3']:.3g}" in page
     assert [p[0] for p in points] == sorted(p[0] for p in points)  # the curve's three data sizes, growing
     assert [r["generation"]["prompts"] for r in runs] == [2040, 2040, 4080]
@@ -285,20 +292,16 @@ def test_the_written_prompts_curve_follows_from_its_chain_accuracy_and_made_the_
 
 def test_the_round_three_heads_are_measured_against_the_shipped_ones(committed):
     """bench-results/mtp-train-written-6120.json (`train-mtp --prompt-set written --prompts 0 --taps 20,26 --epochs 2
-    --precision bf16 --json`, rounds 1-3): its figures recomputed from their chain accuracy and its generation rate from its tokens
-    and time; it measured the shipped heads (the 4,080-prompt run's) on the same MT-Bench answers, now replayed over
-    fp32 states (the 4,080-prompt run replayed fp16 ones: within 0.005), on more tokens than theirs."""
-    from edge_cli.train_mtp import expected_accepted
-
+    --precision bf16 --json`, rounds 1-3): its figures recomputed from their chain accuracy and its generation
+    rate from its tokens and time; it measured the shipped heads (the 4,080-prompt run's) on the same MT-Bench
+    answers, now replayed over fp32 states (the 4,080-prompt run replayed fp16 ones: within 0.005), on more
+    tokens than theirs."""
     page, _, _ = committed
     d, d2 = _json("mtp-train-written-6120.json"), _json("mtp-train-written-4080.json")
     assert d["taps"] == [20, 26] and d["loss"] == "soft" and d["epochs"] == 2 and d["precision"] == "bf16"
-    for h in (*d["curve"], d["mlp_shipped_before"]):
-        assert h["expected_accepted_k3"] == pytest.approx(expected_accepted(h["chain_accuracy"], 3), abs=1e-9)
-        assert 1 <= h["mean_accepted_k3"] <= 4 and len(h["acceptance_per_position"]) == 3
+    _check_heads_run(d)
     assert d["mlp_shipped_before"]["mean_accepted_k3"] == pytest.approx(d2["curve"][-1]["mean_accepted_k3"], abs=0.005)
     gen = d["generation"]
     assert gen["prompts"] == 6120 and gen["answers"] == 2 * 6120
-    assert gen["answer_tokens"] == d["curve"][-1]["train_answer_tokens"] > d2["generation"]["answer_tokens"]
-    assert gen["tokens_per_s"] == pytest.approx(gen["answer_tokens"] / gen["seconds"])
+    assert gen["answer_tokens"] > d2["generation"]["answer_tokens"]
     assert f"{d['curve'][-1]['mean_accepted_k3']:.3g}" in page
