@@ -214,9 +214,33 @@ def add_taps(backend, jobs: list[tuple], records: list[dict], max_tokens: int) -
     return out
 
 
-def _jobs(prompts: list, temperatures: tuple) -> list[tuple]:
-    """One job per (temperature, prompt), numbered in that order (the number seeds its sampling)."""
-    return [(t, n, p) for n, (t, p) in enumerate((t, p) for t in temperatures for p in prompts)]
+def _jobs(prompts: list, temperatures: tuple, blocks: list[int] | None = None) -> list[tuple]:
+    """One job per (temperature, prompt), numbered block by block of `blocks` prompts (default: one block of all
+    of them) and in each block temperature by temperature (the number seeds its sampling): a block added after
+    the others leaves every earlier job's number as it was."""
+    out, start = [], 0
+    for size in blocks or [len(prompts)]:
+        part = prompts[start:start + size]
+        out += [(t, len(out) + n, p) for n, (t, p) in enumerate((t, p) for t in temperatures for p in part)]
+        start += size
+    return out
+
+
+def job_blocks(prompt_set: str, count: int) -> list[int]:
+    """The blocks `_jobs` numbers a set's first `count` prompts in: one for all of them, except the written
+    set past its third round: rounds 1 to 3 are one block (the job order their shipped heads were answered in),
+    each later round a block of its own, so a round added later answers only its own prompts."""
+    if prompt_set != "written":
+        return [count]
+    from edge_cli.mtp_chat import written_rounds
+
+    rounds = [sum(map(len, r.values())) for r in written_rounds()]
+    out = []
+    for size in [sum(rounds[:3])] + rounds[3:]:
+        if count > 0:
+            out.append(min(size, count))
+        count -= size
+    return out
 
 
 def build_dataset(backend, out_path: str, num_prompts: int | None = None, max_tokens: int = 160,
@@ -233,9 +257,15 @@ def build_dataset(backend, out_path: str, num_prompts: int | None = None, max_to
 
 
 def first_prompts(data: dict, n: int) -> dict:
-    """`data` cut to the answers to its first `n` prompts (its records run temperature by temperature)."""
-    P, T, recs = data["prompts"], len(data["temperatures"]), data["records"]
-    return {**data, "prompts": n, "records": [recs[t * P + i] for t in range(T) for i in range(n) if t * P + i < len(recs)]}
+    """`data` cut to the answers to its first `n` prompts (its records run in job order: block by block of
+    `data["blocks"]`, default one, and in each block temperature by temperature)."""
+    T, recs, out, cut, start, at = len(data["temperatures"]), data["records"], [], [], 0, 0
+    for size in data.get("blocks") or [data["prompts"]]:
+        cut += [min(size, n - start)] if n > start else []
+        out += [recs[at + t * size + i] for t in range(T) for i in range(min(size, n - start))
+                if at + t * size + i < len(recs)]
+        start, at = start + size, at + T * size
+    return {**data, "prompts": n, "records": out, **({"blocks": cut} if "blocks" in data else {})}
 
 
 def build_shards(backend, out_dir: str, num_prompts: int | None = None, max_tokens: int = 160,
@@ -256,9 +286,12 @@ def build_shards(backend, out_dir: str, num_prompts: int | None = None, max_toke
     shards only (a data size that is a prefix of the job list; the rest can follow in a later run)."""
     taps = list(backend.model.taps)
     prompts = prompt_messages(prompt_set, seed)[:num_prompts]
-    jobs = _jobs(prompts, temperatures)
+    blocks = job_blocks(prompt_set, len(prompts))
+    jobs = _jobs(prompts, temperatures, blocks)
     settings = {"prompt_set": prompt_set, "prompts": len(prompts), "temperatures": list(temperatures), "seed": seed,
                 "max_tokens": max_tokens, "shard_jobs": shard_jobs, "model": base_fingerprint(backend)}
+    if len(blocks) > 1:  # (a folder of one block, as all were before blocks, keeps its settings)
+        settings["blocks"] = blocks
     if taps:
         settings["taps"] = taps
     os.makedirs(out_dir, exist_ok=True)
@@ -303,8 +336,10 @@ def build_shards(backend, out_dir: str, num_prompts: int | None = None, max_toke
 
 def _donors(settings: dict, folders, out_dir: str) -> list[tuple[str, list, list]]:
     """(folder, its taps, its job list) for each of `folders` whose shards can stand in for ours: made for the
-    same model, seed, temperatures, answer length and shard size, with our taps or none (to add ours to)."""
-    fixed = {k: v for k, v in settings.items() if k not in ("prompts", "taps")}
+    same model, seed, answer length and shard size, with our taps or none (to add ours to), at our temperatures
+    or the first of them (a run that adds a temperature keeps the earlier answers: its jobs come after theirs)."""
+    varying = ("prompts", "taps", "temperatures", "blocks")
+    fixed = {k: v for k, v in settings.items() if k not in varying}
     out = []
     for folder in folders:
         path = os.path.join(folder, "settings.json")
@@ -312,10 +347,11 @@ def _donors(settings: dict, folders, out_dir: str) -> list[tuple[str, list, list
             continue
         with open(path, encoding="utf-8") as f:
             other = json.load(f)
-        taps = other.get("taps", [])
-        if {k: v for k, v in other.items() if k not in ("prompts", "taps")} == fixed and taps in ([], settings.get("taps", [])):
+        taps, temps = other.get("taps", []), other["temperatures"]
+        if ({k: v for k, v in other.items() if k not in varying} == fixed and taps in ([], settings.get("taps", []))
+                and temps == settings["temperatures"][:len(temps)]):
             prompts = prompt_messages(settings["prompt_set"], settings["seed"])[:other["prompts"]]
-            out.append((folder, taps, _jobs(prompts, tuple(settings["temperatures"]))))
+            out.append((folder, taps, _jobs(prompts, tuple(temps), other.get("blocks"))))
     return sorted(out, key=lambda d: d[1] != settings.get("taps", []))  # copies first
 
 

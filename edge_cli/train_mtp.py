@@ -216,17 +216,20 @@ def train(data: dict, backend, depth: int = 4, hidden: int = 1024, draft_vocab: 
     return head.eval(), report
 
 
-def shard_folder(prompts: int, taps: tuple[int, ...] = (), prompt_set: str = "large", seed: int = 0) -> str:
+def shard_folder(prompts: int, taps: tuple[int, ...] = (), prompt_set: str = "large", seed: int = 0,
+                 temperatures: tuple[float, ...] = (0.0, 0.8)) -> str:
     """A sharded set's default folder: in the per-user cache (~/.cache/edge-runtime or $EDGE_RUNTIME_CACHE),
     not the checkout, so a fresh checkout on the same machine goes on where the last run stopped; one folder
-    per set and prompt count (a folder's shards are answers to one job list). `prompts` 0 is the whole set,
-    named by its count: a set that grows gets a new folder, and the old one lends it the shards they share."""
+    per set, prompt count and temperatures other than the default (a folder's shards are answers to one job
+    list). `prompts` 0 is the whole set, named by its count: a set that grows gets a new folder, and the old
+    one lends it the shards they share."""
     from kernels.compile_cache import cache_root
     from edge_cli.mtp_data import prompt_messages
 
     count = len(prompt_messages(prompt_set, seed))
     tapped = f"-taps{'-'.join(map(str, taps))}" if taps else ""
-    return os.path.join(cache_root(), f"mtp-{prompt_set}-{min(prompts or count, count)}{tapped}")
+    temps = "" if tuple(temperatures) == (0.0, 0.8) else "-temps" + "-".join(f"{t:g}" for t in temperatures)
+    return os.path.join(cache_root(), f"mtp-{prompt_set}-{min(prompts or count, count)}{tapped}{temps}")
 
 
 def shard_folders(prompt_set: str = "large") -> list[str]:
@@ -265,6 +268,13 @@ def run_train_mtp(args) -> int:
     if args.arch == "mlp" and (args.curve or args.mt_bench != 80) and not args.json:
         raise EdgeRuntimeError("train-mtp: --curve and --mt-bench measure heads on MT-Bench: name the --json file "
                                "for the figures")
+    try:
+        temps = tuple(float(t) for t in args.temperatures.split(","))
+    except ValueError:
+        temps = ()
+    if not temps or any(not 0 <= t <= 2 for t in temps):
+        raise EdgeRuntimeError(f"train-mtp: --temperatures takes numbers from 0 to 2 separated by commas (one "
+                               f"answer per prompt at each), not {args.temperatures!r}")
 
     # room for 16 answers decoding together (prompts are cut to leave max_tokens)
     backend = NativeBackend(model=args.model, threads=args.threads, n_ctx=1024, kv_budget="1GiB")
@@ -272,9 +282,8 @@ def run_train_mtp(args) -> int:
         raise EdgeRuntimeError(f"train-mtp: --taps must be layers 0..{backend.model.cfg.num_layers - 1}, not "
                                f"{','.join(map(str, taps))}")
     backend.model.taps = taps
-    temps = tuple(float(t) for t in args.temperatures.split(","))
     if sharded:  # shards in a folder, resumable
-        folder = args.data or shard_folder(args.prompts, taps, args.prompt_set, args.seed)
+        folder = args.data or shard_folder(args.prompts, taps, args.prompt_set, args.seed, temps)
         print(f"train-mtp: the model answers the {args.prompt_set} prompt set into {folder} (shards already there "
               "are kept)")
         build_shards(backend, folder, args.prompts or None, args.max_tokens, temps, seed=args.seed,
@@ -329,7 +338,9 @@ def add_train_mtp_parser(sub) -> None:
                         "data/mtp_written_prompts.json); large, chat and written answer into shards in the --data "
                         "folder, resumable")
     t.add_argument("--prompts", type=int, default=0, help="training prompts the model answers (0 = all of the set)")
-    t.add_argument("--temperatures", default="0,0.8", help="one answer per prompt at each temperature")
+    t.add_argument("--temperatures", default="0,0.8",
+                   help="one answer per prompt at each temperature (a temperature twice: two samples); a run "
+                        "that adds temperatures after the default's takes the default's shards")
     t.add_argument("--max-tokens", type=int, default=160, help="tokens per answer")
     t.add_argument("--data", default=None,
                    help="cache of the answers and hidden states, reused when it exists (default: .cache/mtp-data.pt; "

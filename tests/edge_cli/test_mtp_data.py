@@ -6,7 +6,8 @@ import torch
 
 from edge_cli.bench.spec import mt_bench_prompts
 from edge_cli.mtp_chat import HUMANITIES, chat_prompts, written_kinds, written_prompts, written_rounds
-from edge_cli.mtp_data import build_shards, large_prompts, load_shards, prompt_messages, training_prompts
+from edge_cli.mtp_data import (_jobs, build_shards, first_prompts, job_blocks, large_prompts, load_shards,
+                               prompt_messages, training_prompts)
 from edge_runtime.errors import EdgeRuntimeError
 
 
@@ -87,6 +88,8 @@ def test_the_default_shard_folder_is_named_by_the_prompts_it_answers(tmp_path, m
     assert shard_folder(0, (20, 26), "written") == str(tmp_path / f"mtp-written-{count}-taps20-26")
     assert shard_folder(2040, (), "written") == str(tmp_path / "mtp-written-2040")
     assert shard_folder(10 * count, (), "written") == str(tmp_path / f"mtp-written-{count}")  # --prompts past the set
+    assert shard_folder(0, (20, 26), "written", temperatures=(0.0, 0.8, 0.8)) == str(
+        tmp_path / f"mtp-written-{count}-taps20-26-temps0-0.8-0.8")  # other answers, another folder
 
 
 def test_the_chat_set_answers_into_shards_of_its_own(tmp_path, native_backend):
@@ -152,6 +155,86 @@ def test_shards_another_prompt_count_already_answered_are_copied_not_answered_ag
     build_shards(native_backend, fresh, num_prompts=4, max_tokens=6, shard_jobs=2, progress=lambda m: None)
     for x, y in zip(load_shards(four)["records"], load_shards(fresh)["records"]):
         assert torch.equal(x["tokens"], y["tokens"]) and torch.equal(x["hidden"], y["hidden"])
+
+
+def test_a_run_that_adds_a_temperature_copies_the_earlier_answers_and_samples_new_ones(tmp_path, native_backend):
+    """Jobs run temperature by temperature, so answering 3 prompts at 0, 0.8 and 0.8 again starts with the jobs of
+    0 and 0.8: those shards are copied, the rest are second samples (seeded by their own job numbers: other
+    answers than the first samples'); a folder at other temperatures lends nothing."""
+    two, three, hot = (str(tmp_path / n) for n in ("two", "three", "hot"))
+    build_shards(native_backend, two, num_prompts=3, max_tokens=6, shard_jobs=2, progress=lambda m: None)
+    build_shards(native_backend, hot, num_prompts=3, max_tokens=6, shard_jobs=2, temperatures=(0.0, 1.0),
+                 progress=lambda m: None)
+    said = []
+    made = build_shards(native_backend, three, num_prompts=3, max_tokens=6, shard_jobs=2, progress=said.append,
+                        temperatures=(0.0, 0.8, 0.8), donors=[hot, two])
+    assert made["shards"] == 5 and len(said) == 5
+    assert [m.endswith(f"copied from {two}") for m in said] == [True, True, True, False, False]
+    records = load_shards(three)["records"]
+    assert len(records) == 9
+    first, second = records[3:6], records[6:]
+    assert any(not torch.equal(a["tokens"], b["tokens"]) for a, b in zip(first, second))
+    for r in second:  # sampled: some token is not the step's argmax, and the rows are the answer's own
+        assert r["hidden"].shape == (len(r["tokens"]), 576)
+    assert any(not torch.equal(r["tokens"], r["greedy"]) for r in second)
+
+
+def test_a_block_of_prompts_added_later_leaves_the_earlier_jobs_and_their_cut_as_they_were():
+    ps, temps = list("abcde"), (0.0, 0.8)
+    one, two = _jobs(ps[:3], temps), _jobs(ps, temps, [3, 2])
+    assert two[:6] == one and [j[1] for j in two] == list(range(10))
+    assert [(t, p) for t, _, p in two[6:]] == [(0.0, "d"), (0.0, "e"), (0.8, "d"), (0.8, "e")]
+    assert _jobs(ps, temps)[3:6] != one[3:6]  # in one block the sampled half moves when prompts are added
+    data = {"prompts": 5, "temperatures": list(temps), "blocks": [3, 2], "records": [f"{t}{p}" for t, _, p in two]}
+    cut = first_prompts(data, 4)
+    assert cut["records"] == ["0.0a", "0.0b", "0.0c", "0.8a", "0.8b", "0.8c", "0.0d", "0.8d"]
+    assert cut["blocks"] == [3, 1] and cut["prompts"] == 4
+    assert first_prompts(data, 2)["records"] == ["0.0a", "0.0b", "0.8a", "0.8b"]
+    assert first_prompts(data, 2)["blocks"] == [2]
+    plain = {"prompts": 3, "temperatures": list(temps), "records": [f"{t}{p}" for t, _, p in one]}
+    assert first_prompts(plain, 2)["records"] == ["0.0a", "0.0b", "0.8a", "0.8b"] and "blocks" not in first_prompts(plain, 2)
+
+
+def test_the_written_set_numbers_rounds_one_to_three_as_one_block_and_each_later_round_after_them():
+    rounds = [sum(map(len, r.values())) for r in written_rounds()]
+    first = sum(rounds[:3])
+    assert job_blocks("written", first) == [first] and job_blocks("written", 2040) == [2040]
+    assert job_blocks("written", sum(rounds)) == [first, *rounds[3:]]
+    assert job_blocks("written", first + 100) == [first, 100][:1 + (len(rounds) > 3)]  # cut within round 4
+    assert job_blocks("chat", 10 ** 6) == [10 ** 6]
+
+
+def test_shards_of_a_grown_set_copy_every_earlier_job_when_the_new_prompts_are_a_block(tmp_path, native_backend,
+                                                                                      monkeypatch):
+    """With the third prompt in a block of its own, 3 prompts' jobs (greedy 0, 1 | sampled 0, 1 | greedy 2,
+    sampled 2) start with all of 2 prompts' jobs: both of their shards are copied, and the cut back to 2 prompts
+    is the 2-prompt run's answers."""
+    from edge_cli import mtp_data
+
+    monkeypatch.setattr(mtp_data, "job_blocks", lambda s, c: [min(c, 2)] + ([c - 2] if c > 2 else []))
+    two, three = str(tmp_path / "two"), str(tmp_path / "three")
+    build_shards(native_backend, two, num_prompts=2, max_tokens=6, shard_jobs=2, progress=lambda m: None,
+                 prompt_set="written")
+    said = []
+    made = build_shards(native_backend, three, num_prompts=3, max_tokens=6, shard_jobs=2, progress=said.append,
+                        donors=[two], prompt_set="written")
+    assert made["shards"] == 3 and made["blocks"] == [2, 1]
+    assert [m.endswith(f"copied from {two}") for m in said] == [True, True, False]
+    grown, before = load_shards(three), load_shards(two)
+    assert len(grown["records"]) == 6 and grown["blocks"] == [2, 1]
+    for x, y in zip(first_prompts(grown, 2)["records"], before["records"], strict=True):
+        assert torch.equal(x["tokens"], y["tokens"]) and torch.equal(x["hidden"], y["hidden"])
+    assert torch.equal(grown["records"][4]["tokens"], grown["records"][4]["greedy"])  # the new prompt's greedy answer
+
+
+def test_train_mtp_refuses_temperatures_that_are_not_numbers_in_range(capsys):
+    from edge_cli.main import main
+
+    for bad in ("0,hot", "", "0,-1", "0,3"):
+        assert main(["train-mtp", "--prompt-set", "written", "--prompts", "1", "--temperatures", bad,
+                     "--epochs", "0"]) == 2
+        err = capsys.readouterr().err
+        assert "--temperatures" in err and "Traceback" not in err
 
 
 def test_the_vendored_mt_bench_file_is_read_and_a_missing_one_is_a_one_line_error(tmp_path, monkeypatch, capsys):
