@@ -258,14 +258,12 @@ def test_the_heads_of_two_and_a_half_million_tokens_are_measured_against_the_shi
     assert f"{d['curve'][-1]['mean_accepted_k3']:.3g}" in page
 
 
-def test_the_written_prompts_curve_follows_from_its_chain_accuracy_and_made_the_shipped_heads(committed, native_backend):
+def test_the_written_prompts_curve_follows_from_its_chain_accuracy(committed):
     """bench-results/mtp-train-written-8-shards.json, mtp-train-written.json and mtp-train-written-4080.json
     (`train-mtp --prompt-set written --taps 20,26 --epochs 2 --json`, half of round 1, round 1, rounds 1 and 2):
     each figure recomputed from its chain accuracy and its generation rate from its tokens and time; all three
-    measured the heads shipped before (the 4-epoch templated ones) on the same MT-Bench answers, so their points
-    compare; the largest wrote the shipped heads (their metadata carries its point) and the page shows each."""
-    from edge_runtime.spec.mtp import MtpHead, find_heads
-
+    measured the heads shipped before them (the 4-epoch templated ones) on the same MT-Bench answers, so their
+    points compare, and the page shows each."""
     page, _, _ = committed
     runs = [_json(f"mtp-train-written{s}.json") for s in ("-8-shards", "", "-4080")]
     d4 = _json("mtp-train-taps-4ep.json")
@@ -281,21 +279,17 @@ def test_the_written_prompts_curve_follows_from_its_chain_accuracy_and_made_the_
         assert f"{run['curve'][-1]['mean_accepted_k3']:.3g}" in page
     assert [p[0] for p in points] == sorted(p[0] for p in points)  # the curve's three data sizes, growing
     assert [r["generation"]["prompts"] for r in runs] == [2040, 2040, 4080]
-    head, meta = MtpHead.load(find_heads(native_backend))
-    training = json.loads(meta["training"])
-    assert head.taps == (20, 26) and training["loss"] == "soft" and training["taps"] == [20, 26]
-    assert training["epochs"] == 2 and training["prompts"] == 4080 and training["precision"] == "fp32"
-    last = runs[-1]["curve"][-1]
-    assert training["mt_bench_tokens_per_verification_k3"] == round(last["mean_accepted_k3"], 4)
-    assert training["held_out_chain_accuracy"] == last["held_out_chain_accuracy"]
 
 
-def test_the_round_three_heads_are_measured_against_the_shipped_ones(committed):
+def test_the_round_three_run_made_the_shipped_heads_and_beat_the_ones_before(committed, native_backend):
     """bench-results/mtp-train-written-6120.json (`train-mtp --prompt-set written --prompts 0 --taps 20,26 --epochs 2
     --precision bf16 --json`, rounds 1-3): its figures recomputed from their chain accuracy and its generation
-    rate from its tokens and time; it measured the shipped heads (the 4,080-prompt run's) on the same MT-Bench
-    answers, now replayed over fp32 states (the 4,080-prompt run replayed fp16 ones: within 0.005), on more
-    tokens than theirs."""
+    rate from its tokens and time; it measured the heads shipped before (the 4,080-prompt run's) on the same
+    MT-Bench answers, now replayed over fp32 states (the 4,080-prompt run replayed fp16 ones: within 0.005), on
+    more tokens than theirs, and wrote the shipped heads: their metadata carries its point, and `bench spec`
+    with them (spec-zen4-heads-6120.json) verifies what the replay said, within 0.005."""
+    from edge_runtime.spec.mtp import MtpHead, find_heads
+
     page, _, _ = committed
     d, d2 = _json("mtp-train-written-6120.json"), _json("mtp-train-written-4080.json")
     assert d["taps"] == [20, 26] and d["loss"] == "soft" and d["epochs"] == 2 and d["precision"] == "bf16"
@@ -304,4 +298,14 @@ def test_the_round_three_heads_are_measured_against_the_shipped_ones(committed):
     gen = d["generation"]
     assert gen["prompts"] == 6120 and gen["answers"] == 2 * 6120
     assert gen["answer_tokens"] > d2["generation"]["answer_tokens"]
-    assert f"{d['curve'][-1]['mean_accepted_k3']:.3g}" in page
+    last = d["curve"][-1]
+    assert f"{last['mean_accepted_k3']:.3g}" in page and last["mean_accepted_k3"] > d["mlp_shipped_before"]["mean_accepted_k3"]
+    head, meta = MtpHead.load(find_heads(native_backend))
+    training = json.loads(meta["training"])
+    assert head.taps == (20, 26) and training["loss"] == "soft" and training["taps"] == [20, 26]
+    assert training["epochs"] == 2 and training["prompts"] == 6120 and training["precision"] == "bf16"
+    assert training["mt_bench_tokens_per_verification_k3"] == round(last["mean_accepted_k3"], 4)
+    assert training["held_out_chain_accuracy"] == last["held_out_chain_accuracy"]
+    spec = _json("spec-zen4-heads-6120.json")
+    assert spec["mtp.mean_accepted"] == pytest.approx(last["mean_accepted_k3"], abs=0.005)
+    assert spec["mtp.acceptance_per_position"] == pytest.approx(last["acceptance_per_position"], abs=0.005)
