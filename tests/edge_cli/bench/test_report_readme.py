@@ -281,31 +281,46 @@ def test_the_written_prompts_curve_follows_from_its_chain_accuracy(committed):
     assert [r["generation"]["prompts"] for r in runs] == [2040, 2040, 4080]
 
 
-def test_the_round_three_run_made_the_shipped_heads_and_beat_the_ones_before(committed, native_backend):
-    """bench-results/mtp-train-written-6120.json (`train-mtp --prompt-set written --prompts 0 --taps 20,26 --epochs 2
-    --precision bf16 --json`, rounds 1-3): its figures recomputed from their chain accuracy and its generation
-    rate from its tokens and time; it measured the heads shipped before (the 4,080-prompt run's) on the same
-    MT-Bench answers, now replayed over fp32 states (the 4,080-prompt run replayed fp16 ones: within 0.005), on
-    more tokens than theirs, and wrote the shipped heads: their metadata carries its point, and `bench spec`
-    with them (spec-zen4-heads-6120.json) verifies what the replay said, within 0.005."""
+def _check_shipped(run: dict, spec_file: str, native_backend) -> None:
+    """The shipped heads came from `run` (their metadata carries its point) and `bench spec` with them
+    (`spec_file`) verifies in the engine what the run's replay said, within 0.005."""
     from edge_runtime.spec.mtp import MtpHead, find_heads
 
-    page, _, _ = committed
-    d, d2 = _json("mtp-train-written-6120.json"), _json("mtp-train-written-4080.json")
-    assert d["taps"] == [20, 26] and d["loss"] == "soft" and d["epochs"] == 2 and d["precision"] == "bf16"
-    _check_heads_run(d)
-    assert d["mlp_shipped_before"]["mean_accepted_k3"] == pytest.approx(d2["curve"][-1]["mean_accepted_k3"], abs=0.005)
-    gen = d["generation"]
-    assert gen["prompts"] == 6120 and gen["answers"] == 2 * 6120
-    assert gen["answer_tokens"] > d2["generation"]["answer_tokens"]
-    last = d["curve"][-1]
-    assert f"{last['mean_accepted_k3']:.3g}" in page and last["mean_accepted_k3"] > d["mlp_shipped_before"]["mean_accepted_k3"]
+    last = run["curve"][-1]
     head, meta = MtpHead.load(find_heads(native_backend))
     training = json.loads(meta["training"])
-    assert head.taps == (20, 26) and training["loss"] == "soft" and training["taps"] == [20, 26]
-    assert training["epochs"] == 2 and training["prompts"] == 6120 and training["precision"] == "bf16"
+    assert head.taps == tuple(run["taps"]) and training["taps"] == run["taps"] and training["loss"] == run["loss"]
+    assert training["epochs"] == run["epochs"] and training["precision"] == run["precision"]
+    assert training["prompts"] == run["generation"]["prompts"]
     assert training["mt_bench_tokens_per_verification_k3"] == round(last["mean_accepted_k3"], 4)
     assert training["held_out_chain_accuracy"] == last["held_out_chain_accuracy"]
-    spec = _json("spec-zen4-heads-6120.json")
+    spec = _json(spec_file)
     assert spec["mtp.mean_accepted"] == pytest.approx(last["mean_accepted_k3"], abs=0.005)
     assert spec["mtp.acceptance_per_position"] == pytest.approx(last["acceptance_per_position"], abs=0.005)
+
+
+def test_the_round_three_and_four_runs_each_beat_the_heads_before_them_and_the_last_made_the_shipped_ones(
+        committed, native_backend):
+    """bench-results/mtp-train-written-6120.json and -8160.json (`train-mtp --prompt-set written --prompts 0
+    --taps 20,26 --epochs 2 --precision bf16 --json`, rounds 1-3 and 1-4): their figures recomputed from their
+    chain accuracy and their generation rates from tokens and time; each measured the heads shipped before it
+    (the 4,080-prompt run's, then the 6,120-prompt run's) on the same MT-Bench answers over fp32 states (the
+    4,080-prompt run replayed fp16 ones: within 0.005), on more tokens, and beat them; the 8,160-prompt run
+    wrote the shipped heads, and bench spec with the 6,120-prompt heads (spec-zen4-heads-6120.json) measured
+    in the engine what their replay said."""
+    page, _, _ = committed
+    d2, d3, d4 = (_json(f"mtp-train-written-{n}.json") for n in (4080, 6120, 8160))
+    for before, d, prompts in ((d2, d3, 6120), (d3, d4, 8160)):
+        assert d["taps"] == [20, 26] and d["loss"] == "soft" and d["epochs"] == 2 and d["precision"] == "bf16"
+        _check_heads_run(d)
+        gen = d["generation"]
+        assert gen["prompts"] == prompts and gen["answers"] == 2 * prompts
+        assert gen["answer_tokens"] > before["generation"]["answer_tokens"]
+        assert d["mlp_shipped_before"]["mean_accepted_k3"] == pytest.approx(before["curve"][-1]["mean_accepted_k3"],
+                                                                             abs=0.005)
+        last = d["curve"][-1]
+        assert f"{last['mean_accepted_k3']:.3g}" in page
+        assert last["mean_accepted_k3"] > d["mlp_shipped_before"]["mean_accepted_k3"]
+    spec = _json("spec-zen4-heads-6120.json")
+    assert spec["mtp.mean_accepted"] == pytest.approx(d3["curve"][-1]["mean_accepted_k3"], abs=0.005)
+    _check_shipped(d4, "spec-zen4-heads-8160.json", native_backend)
