@@ -96,6 +96,7 @@ def large_prompts(seed: int = 0) -> list[list[dict]]:
     return out
 
 
+TEMPERATURES = (0.0, 0.8)  # the default: a greedy answer and one sampled at 0.8 per prompt
 PROMPT_SETS = ("large", "chat", "written")  # the sets answered into shards (build_shards); "small" is one file
 
 
@@ -244,7 +245,7 @@ def job_blocks(prompt_set: str, count: int) -> list[int]:
 
 
 def build_dataset(backend, out_path: str, num_prompts: int | None = None, max_tokens: int = 160,
-                  temperatures: tuple = (0.0, 0.8), seed: int = 0, batch: int = 8, progress=print) -> dict:
+                  temperatures: tuple = TEMPERATURES, seed: int = 0, batch: int = 8, progress=print) -> dict:
     """Answers to the first `num_prompts` prompts of the small set, once per temperature, saved with torch.save."""
     prompts = training_prompts(seed)[:num_prompts]
     jobs = _jobs([[{"role": "user", "content": p}] for p in prompts], temperatures)
@@ -261,15 +262,15 @@ def first_prompts(data: dict, n: int) -> dict:
     `data["blocks"]`, default one, and in each block temperature by temperature)."""
     T, recs, out, cut, start, at = len(data["temperatures"]), data["records"], [], [], 0, 0
     for size in data.get("blocks") or [data["prompts"]]:
-        cut += [min(size, n - start)] if n > start else []
-        out += [recs[at + t * size + i] for t in range(T) for i in range(min(size, n - start))
-                if at + t * size + i < len(recs)]
+        take = max(0, min(size, n - start))  # this block's prompts among the first n
+        cut += [take] if take else []
+        out += [recs[at + t * size + i] for t in range(T) for i in range(take) if at + t * size + i < len(recs)]
         start, at = start + size, at + T * size
     return {**data, "prompts": n, "records": out, **({"blocks": cut} if "blocks" in data else {})}
 
 
 def build_shards(backend, out_dir: str, num_prompts: int | None = None, max_tokens: int = 160,
-                 temperatures: tuple = (0.0, 0.8), seed: int = 0, shard_jobs: int = 256, batch: int = 16,
+                 temperatures: tuple = TEMPERATURES, seed: int = 0, shard_jobs: int = 256, batch: int = 16,
                  progress=print, donors: tuple[str, ...] = (), limit: int | None = None,
                  prompt_set: str = "large") -> dict:
     """Answers to `prompt_set` (one of PROMPT_SETS), in shards of `shard_jobs` answers (`shard-00000.pt` ...),
@@ -340,7 +341,7 @@ def _donors(settings: dict, folders, out_dir: str) -> list[tuple[str, list, list
     or the first of them (a run that adds a temperature keeps the earlier answers: its jobs come after theirs)."""
     varying = ("prompts", "taps", "temperatures", "blocks")
     fixed = {k: v for k, v in settings.items() if k not in varying}
-    out = []
+    every, out = prompt_messages(settings["prompt_set"], settings["seed"]), []  # read once for all donors
     for folder in folders:
         path = os.path.join(folder, "settings.json")
         if os.path.abspath(folder) == os.path.abspath(out_dir) or not os.path.exists(path):
@@ -350,8 +351,7 @@ def _donors(settings: dict, folders, out_dir: str) -> list[tuple[str, list, list
         taps, temps = other.get("taps", []), other["temperatures"]
         if ({k: v for k, v in other.items() if k not in varying} == fixed and taps in ([], settings.get("taps", []))
                 and temps == settings["temperatures"][:len(temps)]):
-            prompts = prompt_messages(settings["prompt_set"], settings["seed"])[:other["prompts"]]
-            out.append((folder, taps, _jobs(prompts, tuple(temps), other.get("blocks"))))
+            out.append((folder, taps, _jobs(every[:other["prompts"]], tuple(temps), other.get("blocks"))))
     return sorted(out, key=lambda d: d[1] != settings.get("taps", []))  # copies first
 
 

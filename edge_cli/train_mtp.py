@@ -217,18 +217,19 @@ def train(data: dict, backend, depth: int = 4, hidden: int = 1024, draft_vocab: 
 
 
 def shard_folder(prompts: int, taps: tuple[int, ...] = (), prompt_set: str = "large", seed: int = 0,
-                 temperatures: tuple[float, ...] = (0.0, 0.8)) -> str:
+                 temperatures: tuple[float, ...] | None = None) -> str:
     """A sharded set's default folder: in the per-user cache (~/.cache/edge-runtime or $EDGE_RUNTIME_CACHE),
     not the checkout, so a fresh checkout on the same machine goes on where the last run stopped; one folder
     per set, prompt count and temperatures other than the default (a folder's shards are answers to one job
     list). `prompts` 0 is the whole set, named by its count: a set that grows gets a new folder, and the old
     one lends it the shards they share."""
     from kernels.compile_cache import cache_root
-    from edge_cli.mtp_data import prompt_messages
+    from edge_cli.mtp_data import TEMPERATURES, prompt_messages
 
     count = len(prompt_messages(prompt_set, seed))
     tapped = f"-taps{'-'.join(map(str, taps))}" if taps else ""
-    temps = "" if tuple(temperatures) == (0.0, 0.8) else "-temps" + "-".join(f"{t:g}" for t in temperatures)
+    temperatures = tuple(temperatures or TEMPERATURES)
+    temps = "" if temperatures == TEMPERATURES else "-temps" + "-".join(f"{t:g}" for t in temperatures)
     return os.path.join(cache_root(), f"mtp-{prompt_set}-{min(prompts or count, count)}{tapped}{temps}")
 
 
