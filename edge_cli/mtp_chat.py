@@ -7,8 +7,8 @@ At equal size (about 175,000 answer tokens) heads trained on the model's answers
 tokens per verification on MT-Bench against 1.448 for the small set's (bench-results/logs/chat-data-small).
 `chat_prompts(per_kind=100)` is the list that probe answered (658 prompts).
 
-`written_prompts` is the other chat set (`train-mtp --prompt-set written`): 10,200 prompts written one by one
-(edge_runtime/data/mtp_written_prompts.json, five rounds of six kinds of 340), none a template's."""
+`written_prompts` is the other chat set (`train-mtp --prompt-set written`): 12,240 prompts written one by one
+(edge_runtime/data/mtp_written_prompts.json, six rounds of six kinds of 340), none a template's."""
 import json
 import os
 import random

@@ -335,7 +335,7 @@ def add_train_mtp_parser(sub) -> None:
                    help="small: the 782 prompts of the shipped heads (one file); large: mtp_prompts.json's templates "
                         "over its topics and its tasks too (about 25,000 prompts); chat: chat-like writing, roleplay, "
                         "reasoning, math, code, extraction and questions from templates (6,615 prompts, "
-                        "edge_cli/mtp_chat.py); written: the same kinds written one by one (10,200 prompts in five rounds, "
+                        "edge_cli/mtp_chat.py); written: the same kinds written one by one (12,240 prompts in six rounds, "
                         "data/mtp_written_prompts.json); large, chat and written answer into shards in the --data "
                         "folder, resumable")
     t.add_argument("--prompts", type=int, default=0, help="training prompts the model answers (0 = all of the set)")

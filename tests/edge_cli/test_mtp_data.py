@@ -52,11 +52,11 @@ def test_the_written_set_is_distinct_seeded_and_far_from_every_mt_bench_question
 
     rounds = written_rounds()
     kinds = written_kinds()
-    assert len(rounds) == 5 and all(len(r[k]) == 340 for r in rounds for k in r)
+    assert len(rounds) == 6 and all(len(r[k]) == 340 for r in rounds for k in r)
     assert sorted(kinds) == ["coding", "extraction", "knowledge", "reasoning_math", "roleplay", "writing"]
     assert all(kinds[k] == [p for r in rounds for p in r[k]] for k in kinds)
     written = written_prompts(0)
-    assert len(written) == len({" ".join(p.lower().split()) for p in written}) == 10200
+    assert len(written) == len({" ".join(p.lower().split()) for p in written}) == 12240
     assert sorted(written) == sorted(written_prompts(1)) and written == written_prompts(0) != written_prompts(1)
     first = [p for kind in sorted(rounds[0].items()) for p in kind[1]]
     random.Random(0).shuffle(first)  # round 1 alone, shuffled as when it was the whole set
