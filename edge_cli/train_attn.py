@@ -256,7 +256,7 @@ def mlp_curve(data: dict, backend, args):
                   "tokens_per_s": curve[-1]["train_answer_tokens"] / seconds if seconds else None}
     figures = {"benchmark": "mtp-train-curve", "arch": "mlp", "taps": list(backend.model.taps),
                "loss": args.loss or "soft", "epochs": args.epochs, "precision": args.precision or "fp32",
-               "generation": generation, "curve": curve,
+               "hidden": args.hidden, "generation": generation, "curve": curve,
                "mt_bench_answers": len(bench), "mt_bench_answer_tokens": sum(len(r["tokens"]) for r in bench),
                "mlp_shipped_before": before,
                "targets": {"mean_accepted_k3": 2.5}, "machine": where}

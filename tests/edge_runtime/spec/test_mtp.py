@@ -37,7 +37,7 @@ def test_train_mtp_curve_measures_each_data_size_on_mt_bench_and_writes_the_last
                "--hidden", "64", "--draft-vocab", "256", "--data", str(tmp_path / "shards"), "--out", str(out),
                "--json", str(fig), "--curve", "2", "--mt-bench", "2", "--mt-bench-cache", str(tmp_path / "mt.pt")])
     d = json.loads(fig.read_text())
-    assert rc == 0 and d["arch"] == "mlp" and d["mt_bench_answers"] == 2
+    assert rc == 0 and d["arch"] == "mlp" and d["mt_bench_answers"] == 2 and d["hidden"] == 64
     assert [c["prompts"] for c in d["curve"]] == [2, 4]
     assert d["curve"][0]["train_answer_tokens"] < d["curve"][1]["train_answer_tokens"] == d["generation"]["answer_tokens"]
     gen = d["generation"]
@@ -49,6 +49,7 @@ def test_train_mtp_curve_measures_each_data_size_on_mt_bench_and_writes_the_last
         assert abs(c["expected_accepted_k3"] - expected_accepted(acc, 3)) < 1e-9
     head, meta = MtpHead.load(str(out))  # the last point's head, its MT-Bench figures in the metadata
     training = json.loads(meta["training"])
+    assert head.hidden == training["hidden"] == 64
     assert training["mt_bench_chain_accuracy"] == [round(a, 4) for a in d["curve"][-1]["chain_accuracy"]]
     # the replayed verification recomputed from the written head and the cached MT-Bench answers
     from edge_cli.mtp_eval import drafter_walk
