@@ -7,10 +7,16 @@ answer tokens, as for `MtpHead`. `chain_accuracy` is the share of chains still r
 among those whose earlier drafts were right: for greedy decoding with chains of k drafts that is exactly
 what verification accepts, so tokens per verification follow (`expected_accepted`), measured here on
 answers the model gives to questions (MT-Bench's, for the held-out figure) without running the drafter.
+
+Training follows the MLP heads' recipe (`train_mtp.train`): each optimizer step takes 256 chain starts,
+`WINDOW` consecutive ones from each of many answers (with their real keys: the answer before them), the soft
+loss and the taps the data carries; `--answers-per-step` trains on whole answers instead, as before.
 """
 from __future__ import annotations
 
+import json
 import math
+import os
 import random
 import time
 
@@ -30,7 +36,7 @@ def batch_of(records: list[dict], emb_table: torch.Tensor, index: torch.Tensor, 
     """Padded tensors: h [B, T, dim], emb [B, T + steps - 1, dim], valid [B, T], targets [B, T, steps]."""
     T = max(len(r["tokens"]) for r in records)
     B, dim = len(records), emb_table.shape[1]
-    h = torch.zeros(B, T, dim)
+    h = torch.zeros(B, T, records[0]["hidden"].shape[1])
     emb = torch.zeros(B, T + steps - 1, dim)
     valid = torch.zeros(B, T, dtype=torch.bool)
     targets = torch.full((B, T, steps), -100, dtype=torch.long)
@@ -62,48 +68,110 @@ def chain_accuracy(head: AttnDraftHead, records: list[dict], emb_table, head_row
     return [float(right[j] / seen[j]) if seen[j] else 0.0 for j in range(steps)]
 
 
-ANSWERS_PER_STEP = 8  # whole answers per optimizer step, unless --answers-per-step says otherwise
+POSITIONS = 256  # chain starts per optimizer step, as the MLP heads' batches
+WINDOW = 16  # of them, this many consecutive starts from each answer, unless --window or --answers-per-step
 
 
-def train_attention(records: list[dict], backend, steps: int = 4, hidden: int = 1536, size: int = 4096,
-                    epochs: int = 4, batch: int = ANSWERS_PER_STEP, lr: float = 2e-3, seed: int = 0, held_out=None,
+def windows(records: list[dict], window: int | None) -> list[tuple[int, int, int]]:
+    """The training pieces: (record, first start, starts) tiling every answer (`window` None: whole answers)."""
+    out = []
+    for i, r in enumerate(records):
+        n = len(r["tokens"]) - 1  # the last position has no target
+        w = window or n
+        out += [(i, o, min(w, n - o)) for o in range(0, n, w)]
+    return out
+
+
+def piece_batch(pieces, records, starts, flat, emb_table, index, steps: int, loss: str):
+    """A batch of pieces: h [B, L, W] (each piece's answer up to its last start: the keys), emb [B, L + steps - 1,
+    dim], valid [B, L], qpos [B, Q] (the starts), and the targets [B, Q, steps]: with `loss` "soft" the flat row of
+    the model's final state at each target position (-1: none), else its argmax's draft index (-100: none)."""
+    L, Q = max(o + w for _, o, w in pieces), max(w for _, _, w in pieces)
+    rows = torch.zeros(len(pieces), L, dtype=torch.long)
+    toks = torch.full((len(pieces), L + steps - 1), -1, dtype=torch.long)  # -1: past the answer's end
+    valid = torch.zeros(len(pieces), L, dtype=torch.bool)
+    qpos = torch.zeros(len(pieces), Q, dtype=torch.long)
+    tgt = torch.full((len(pieces), Q, steps), -1 if loss == "soft" else -100, dtype=torch.long)
+    for b, (i, o, w) in enumerate(pieces):
+        r, n, m = records[i], len(records[i]["tokens"]), o + w
+        rows[b, :m] = torch.arange(m) + starts[i]
+        toks[b, :min(n, m + steps - 1)] = r["tokens"][:m + steps - 1]
+        valid[b, :m] = True
+        qpos[b] = o + torch.arange(Q).clamp(max=w - 1)  # a short piece repeats its last start, without targets
+        for s in range(steps):  # start t, step s: the position t + s + 1
+            t = torch.arange(o, max(o, min(m, n - s - 1)))
+            if len(t):
+                tgt[b, :len(t), s] = t + s + 1 + starts[i] if loss == "soft" else index[r["greedy"][t + s + 1]]
+    emb = emb_table[toks.clamp(min=0)] * (toks >= 0)[..., None]  # zeros past the end, as `batch_of`
+    return flat[rows].float() * valid[..., None], emb, valid, qpos, tgt
+
+
+def train_attention(data: dict, backend, steps: int = 4, hidden: int = 1024, size: int = 4096, epochs: int = 2,
+                    window: int | None = WINDOW, answers_per_step: int | None = None, lr: float = 2e-3,
+                    seed: int = 0, loss: str = "soft", precision: str = "fp32", held_out=None,
                     progress=print) -> tuple[AttnDraftHead, dict]:
-    """Trains on `records` (a 20th held out, seeded); `held_out`: more records to score each epoch on."""
+    """Trains on `data`'s records (a 20th held out, seeded) with the MLP heads' recipe: each optimizer step
+    takes `POSITIONS` chain starts, `window` consecutive ones from each of many answers (their real keys with
+    them: every position of the answer before a start), the soft loss (the model's own distribution over the
+    draft vocabulary) and the taps the data carries; `answers_per_step`: whole answers a step instead (the
+    recipe before 2026-12-05 with `loss` "hard", but for the warm-up and the epoch kept). The epoch that drafts best on the held-out answers is kept;
+    `held_out`: more records (MT-Bench's) scored each epoch."""
+    from edge_cli.train_mtp import flatten, soft_loss
+
     torch.manual_seed(seed)
-    records = list(records)
+    records = list(data["records"])
     random.Random(seed).shuffle(records)
-    held, train_recs = records[:max(1, len(records) // 20)], records[max(1, len(records) // 20):]
+    flat, starts = flatten(records, data.get("flat"))
+    cut = max(1, len(records) // 20)
+    held, train_recs, starts = records[:cut], records[cut:], starts[cut:]
     cfg = backend.model.cfg
     vocab, index = draft_vocab(train_recs, cfg.vocab_size, size)
     emb_table = embedding_table(backend)
     head_rows = emb_table[vocab].contiguous()
-    head = AttnDraftHead(cfg.dim, cfg.num_heads, cfg.head_dim, hidden, vocab, cfg.norm_eps, 10000.0, steps)
+    head = AttnDraftHead(cfg.dim, cfg.num_heads, cfg.head_dim, hidden, vocab, cfg.norm_eps, 10000.0, steps,
+                         tuple(data.get("taps", ())))
+    pieces = windows(train_recs, None if answers_per_step else window)
+    per_step = answers_per_step or max(1, POSITIONS // window)
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.01)
-    total_steps = epochs * math.ceil(len(train_recs) / batch)
+    total_steps = epochs * math.ceil(len(pieces) / per_step)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda i: min(1.0, (i + 1) / 50) * 0.5 * (1 + math.cos(math.pi * i / total_steps)))
-    weights = [0.8 ** s for s in range(steps)]
-    t0, report = time.time(), {"epochs": []}
+        opt, lambda i: min(1.0, (i + 1) / 100) * 0.5 * (1 + math.cos(math.pi * i / total_steps)))
+    weights = torch.tensor([0.8 ** s for s in range(steps)])
+    progress(f"train-mtp: attention head, {sum(w for *_, w in pieces)} chain starts in {len(pieces)} pieces, "
+             f"{per_step} a step, {total_steps} steps, loss {loss}, {precision}")
+    t0, report, best = time.time(), {"epochs": []}, (-1.0, None, 0, None)
     for epoch in range(epochs):
-        order = torch.randperm(len(train_recs)).tolist()
-        for s in range(0, len(order), batch):
-            h, emb, valid, tgt = batch_of([train_recs[i] for i in order[s:s + batch]], emb_table, index, steps)
-            outs = head.chain(h, emb, valid, steps)
-            loss = sum(w * F.cross_entropy((o @ head_rows.T).flatten(0, 1), trainable(tgt[..., j]).flatten(), ignore_index=-100)
-                       for j, (w, o) in enumerate(zip(weights, outs)))
+        order = torch.randperm(len(pieces)).tolist()
+        for s in range(0, len(order), per_step):
+            h, emb, valid, qpos, tgt = piece_batch([pieces[i] for i in order[s:s + per_step]], train_recs, starts,
+                                                   flat, emb_table, index, steps, loss)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                logits = torch.stack([o @ head_rows.T for o in head.chain(h, emb, valid, steps, qpos)], dim=2)
+                if loss == "soft":
+                    value = soft_loss(logits.flatten(0, 1), flat[:, :cfg.dim], tgt.flatten(0, 1), head_rows, weights)
+                else:
+                    value = sum(w * F.cross_entropy(logits[:, :, j].flatten(0, 1).float(),
+                                                    trainable(tgt[..., j]).flatten(), ignore_index=-100)
+                                for j, w in enumerate(weights))
             opt.zero_grad()
-            loss.backward()
+            value.backward()
             opt.step()
             sched.step()
         acc = chain_accuracy(head, held, emb_table, head_rows, index, steps)
         extra = chain_accuracy(head, held_out, emb_table, head_rows, index, steps) if held_out else None
+        score = expected_accepted(acc, 3)
+        if score > best[0]:  # keep the epoch that drafts best on held-out answers
+            best = (score, acc, epoch + 1, {k: v.clone() for k, v in head.state_dict().items()})
         report["epochs"].append({"epoch": epoch + 1, "held_out": acc, "extra": extra, "s": round(time.time() - t0)})
         progress(f"  epoch {epoch + 1}/{epochs}: held-out chain accuracy {[round(a, 3) for a in acc]} "
-                 f"(k=3: {expected_accepted(acc, 3):.3f} tokens per verification)"
+                 f"(k=3: {score:.3f} tokens per verification)"
                  + (f"; other set {[round(a, 3) for a in extra]} (k=3: {expected_accepted(extra, 3):.3f})"
                     if extra else "") + f" ({time.time() - t0:.0f} s)")
+    head.load_state_dict(best[3])
     report.update({"positions": sum(len(r["tokens"]) for r in train_recs), "draft_vocab": len(vocab),
-                   "steps": steps, "hidden": hidden, "batch": batch, "lr": lr, "seed": seed})
+                   "steps": steps, "hidden": hidden, "batch": per_step, "window": None if answers_per_step else window,
+                   "lr": lr, "seed": seed, "loss": loss, "precision": precision, "taps": list(head.taps),
+                   "best_epoch": best[2], "train_seconds": round(time.time() - t0)})
     return head.eval(), report
 
 
@@ -111,8 +179,6 @@ def mt_bench_records(backend, n: int = 80, max_tokens: int = 128, path: str | No
     """The model's greedy answers to the first turns of MT-Bench, with their hidden states in fp32, as the engine's
     drafter gets them (so a replay over them drafts what the engine drafts; cached at `path`, a cache of fp16
     states, as the files before 2026-12-05 were, is answered again)."""
-    import os
-
     from edge_cli.bench.spec import mt_bench_prompts
     from edge_cli.mtp_data import add_taps, answer_jobs
 
@@ -200,30 +266,39 @@ def _sizes(data: dict, curve: list[int] | None):
 def compare_heads(data: dict, backend, args) -> dict:
     """`train-mtp --arch attention`: trains the attention head on `data` and measures it and the shipped MLP
     heads offline on MT-Bench's first turns (greedy, 128 tokens): verification replayed at k = 3, chain
-    accuracy per depth. No drafter loads the attention head yet, so it is measured, not written."""
+    accuracy per depth. No drafter loads the attention head yet, so it is measured, not written. With
+    `--json` the figures so far are written after each point of the curve (`points_planned` says how many
+    the run set out to make), so a long run stopped early keeps the points it finished."""
     from edge_cli.mtp_eval import attention_walk
 
     where, bench, mlp = _mt_bench_and_shipped(backend, args)
     emb_table = embedding_table(backend)
-    curve = []
-    for part, tokens in _sizes(data, args.curve):
-        head, report = train_attention(part["records"], backend, steps=args.depth, hidden=args.hidden,
-                                       size=args.draft_vocab, epochs=args.epochs, seed=args.seed, held_out=bench,
-                                       batch=args.answers_per_step or ANSWERS_PER_STEP)
-        last = report["epochs"][-1]
+    sizes, curve = list(_sizes(data, args.curve)), []
+    for part, tokens in sizes:
+        head, report = train_attention(part, backend, steps=args.depth, hidden=args.hidden, size=args.draft_vocab,
+                                       epochs=args.epochs, window=args.window or WINDOW,
+                                       answers_per_step=args.answers_per_step, seed=args.seed, held_out=bench,
+                                       loss=args.loss or "soft", precision=args.precision or "fp32")
+        last = report["epochs"][report["best_epoch"] - 1]  # the epoch kept
         w = attention_walk(head, bench, emb_table, 3, MT_BENCH_TOKENS)
         curve.append({"prompts": part.get("prompts"), "train_answer_tokens": tokens, "chain_accuracy": last["extra"],
+                      "held_out_chain_accuracy": last["held_out"], "train_seconds": report["train_seconds"],
                       "expected_accepted_k3": expected_accepted(last["extra"], 3), "mean_accepted_k3": w["mean_accepted"],
                       "acceptance_per_position": w["acceptance_per_position"]})
         _say(f"the attention head trained on {tokens} tokens", curve[-1])
-    return {"benchmark": "mtp-heads-offline", "mt_bench_answers": len(bench), "curve": curve,
-            "targets": {"mean_accepted_k3": 2.5},
-            "mt_bench_answer_tokens": sum(len(r["tokens"]) for r in bench),
-            "train_answer_tokens": sum(len(r["tokens"]) for r in data["records"]), "mlp_shipped": mlp,
-            "attention": {**{k: curve[-1][k] for k in ("chain_accuracy", "expected_accepted_k3", "mean_accepted_k3",
-                                                       "acceptance_per_position")},
-                          "held_out_in_domain": last["held_out"], **report},
-            "machine": where}
+        figures = {"benchmark": "mtp-heads-offline", "mt_bench_answers": len(bench), "curve": curve,
+                   "points_planned": len(sizes), "targets": {"mean_accepted_k3": 2.5},
+                   "mt_bench_answer_tokens": sum(len(r["tokens"]) for r in bench),
+                   "train_answer_tokens": sum(len(r["tokens"]) for r in data["records"]), "mlp_shipped": mlp,
+                   "attention": {**{k: curve[-1][k] for k in ("chain_accuracy", "expected_accepted_k3",
+                                                              "mean_accepted_k3", "acceptance_per_position")},
+                                 "held_out_in_domain": last["held_out"], **report},
+                   "machine": where}
+        if args.json and len(curve) < len(sizes):  # (the whole JSON is printed once, at the end)
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            with open(args.json, "w", encoding="utf-8") as f:
+                f.write(json.dumps(figures, indent=2) + "\n")
+    return figures
 
 
 def mlp_curve(data: dict, backend, args):

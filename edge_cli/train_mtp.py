@@ -254,18 +254,16 @@ def run_train_mtp(args) -> int:
                                "batches of 256 positions)")
     if args.answers_per_step is not None and args.answers_per_step < 1:
         raise EdgeRuntimeError(f"train-mtp: --answers-per-step must be at least 1, not {args.answers_per_step}")
+    if args.window is not None and (args.arch == "mlp" or args.answers_per_step is not None or args.window < 1):
+        raise EdgeRuntimeError(f"train-mtp: --window ({args.window}) is the attention head's chain starts per answer "
+                               "in a step: --arch attention, without --answers-per-step, at least 1")
     taps = tuple(sorted(set(args.taps or ())))
     sharded = args.prompt_set in PROMPT_SETS
     if args.shards is not None and (not sharded or args.shards < 1):
         raise EdgeRuntimeError(f"train-mtp: --shards applies to --prompt-set large, chat or written and must be at "
                                f"least 1, not {args.shards} with --prompt-set {args.prompt_set}")
-    if args.arch == "attention" and args.precision is not None:
-        raise EdgeRuntimeError("train-mtp: --precision applies to the MLP heads (the attention head trains in fp32)")
-    if args.arch == "attention" and args.loss is not None:
-        raise EdgeRuntimeError("train-mtp: --loss applies to the MLP heads (the attention head trains on the argmax)")
-    if taps and (args.arch == "attention" or not sharded):
-        raise EdgeRuntimeError("train-mtp: --taps applies to the MLP heads (--arch mlp) on --prompt-set large, "
-                               "chat or written")
+    if taps and not sharded:
+        raise EdgeRuntimeError("train-mtp: --taps applies to --prompt-set large, chat or written")
     if args.arch == "mlp" and (args.curve or args.mt_bench != 80) and not args.json:
         raise EdgeRuntimeError("train-mtp: --curve and --mt-bench measure heads on MT-Bench: name the --json file "
                                "for the figures")
@@ -358,17 +356,21 @@ def add_train_mtp_parser(sub) -> None:
     t.add_argument("--arch", choices=("mlp", "attention"), default="mlp",
                    help="attention: train the EAGLE-style head and measure it and the shipped heads on MT-Bench "
                         "offline (chain accuracy; written to --json, no head file yet)")
+    t.add_argument("--window", type=int, default=None,
+                   help="--arch attention: consecutive chain starts taken from each answer in an optimizer step of "
+                        "256 (default 16; the answer before them gives their keys)")
     t.add_argument("--answers-per-step", type=int, default=None,
-                   help="--arch attention: whole answers per optimizer step (default 8)")
+                   help="--arch attention: whole answers per optimizer step instead of windows (with --loss hard, close to "
+                        "the recipe before 2026-12-05)")
     t.add_argument("--taps", type=lambda v: [int(x) for x in v.split(",")], default=None,
-                   help="layers whose output the heads' first step reads too (EAGLE-3's fusion), e.g. 20,26; "
+                   help="layers whose output the heads read too at real positions (EAGLE-3's fusion), e.g. 20,26; "
                         "--prompt-set large, chat or written (shards in their own folder; a shard another folder of the "
                         "cache already answered is copied, or given the taps from its answers)")
     t.add_argument("--loss", choices=("soft", "hard"), default=None,
-                   help="the MLP heads' targets: soft (default), the model's own distribution over the draft "
+                   help="the heads' targets: soft (default), the model's own distribution over the draft "
                         "vocabulary at each position; hard, its argmax alone")
     t.add_argument("--precision", choices=("fp32", "bf16"), default=None,
-                   help="the MLP heads' training arithmetic: fp32 (default; the same figures on a rerun here) or bf16 "
+                   help="the heads' training arithmetic: fp32 (default; the same figures on a rerun here) or bf16 "
                         "(matrix products in bfloat16, about 1.5x faster on CPUs with AVX-512 BF16 or AMX)")
     t.add_argument("--json", default=None,
                    help="measure the heads offline on MT-Bench and write the figures here (with --arch mlp: the data's "

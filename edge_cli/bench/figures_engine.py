@@ -259,6 +259,8 @@ def _mtp_heads(d):
     """`train-mtp --arch attention --json`: draft heads measured offline on the model's MT-Bench answers."""
     mlp, att = d["mlp_shipped"], d["attention"]
     target = _target(d, "mean_accepted_k3")
+    recipe = (f"taps {','.join(map(str, att['taps']))}, " if att.get("taps") else "") + f"{att.get('loss', 'hard')} loss, "
+    recipe += (f"windows of {att['window']} starts" if att.get("window") else f"{att.get('batch', '?')} whole answers a step")
     fig, axs = _fig(2, f"draft heads offline on {d.get('mt_bench_answers', '?')} MT-Bench answers "
                        f"({_num(d.get('mt_bench_answer_tokens'))} tokens)", [1, 2])
     _bars(axs[0], ["MLP heads\n(shipped)", "attention\nhead"], [_k3(mlp), _k3(att)],
@@ -280,7 +282,7 @@ def _mtp_heads(d):
              for name, h in (("MLP heads", mlp), ("attention head", att))]
     rows += [_row(f"attention head trained on {_num(c['train_answer_tokens'])} answer tokens, k = 3",
                   _num(_k3(c))) for c in curve]
-    return ("train-mtp: draft heads offline", "On the model's own greedy MT-Bench answers: greedy verification "
+    return (f"train-mtp: draft heads offline (attention head: {recipe})", "On the model's own greedy MT-Bench answers: greedy verification "
             "replayed at k = 3 (what `bench spec` measures online, exactly), and chain accuracy per depth over "
             "every position (a chain is right at depth j when its first j drafts equal the model's argmax). "
             "Files from before the replay give the estimate from chain accuracy instead, which skipped targets "

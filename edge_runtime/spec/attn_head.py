@@ -4,7 +4,8 @@ Where `MtpHead` sees only the last hidden state, this head attends over the answ
 gets the base model's final-normed hidden state h_t (the state whose logits chose token t) and the
 embedding of token t, fused, then one pre-norm decoder layer (causal self-attention with RoPE over the
 positions of the answer, then a SwiGLU block), and reads out the token at t + 1 through the model's
-tied output head restricted to the draft vocabulary (as `MtpHead`).
+tied output head restricted to the draft vocabulary (as `MtpHead`). With `taps` a real position's h_t is
+first fused with the tapped layers' outputs there, as `MtpHead.fuse` does (EAGLE-3).
 
     z = W_in [rms(h_t) * g_h ; rms(emb(x_t)) * g_e]
     z += W_o attn(rms(z) * g_a)          keys and values: the earlier positions' (their own layer's)
@@ -29,10 +30,12 @@ from edge_runtime.spec.mtp import _rms
 
 
 def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
-    """x [..., T, d] rotated by positions pos [T] (pairs split in halves, as the base model)."""
+    """x [B, heads, T, d] rotated by positions pos [T] (or [B, T]: each row's own; pairs split in halves, as
+    the base model)."""
     d = x.shape[-1]
     freqs = theta ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
-    ang = pos.float()[:, None] * freqs[None, :]
+    ang = pos.float()[..., None] * freqs
+    ang = ang[:, None] if pos.dim() == 2 else ang
     cos, sin = torch.cos(ang), torch.sin(ang)
     a, b = x[..., : d // 2], x[..., d // 2:]
     return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
@@ -40,10 +43,16 @@ def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
 
 class AttnDraftHead(nn.Module):
     def __init__(self, dim: int, heads: int, head_dim: int, hidden: int, vocab: torch.Tensor, eps: float = 1e-5,
-                 theta: float = 10000.0, depth: int = 4):
+                 theta: float = 10000.0, depth: int = 4, taps: tuple[int, ...] = ()):
         super().__init__()
         self.dim, self.heads, self.head_dim, self.hidden = dim, heads, head_dim, hidden
-        self.eps, self.theta, self.depth = eps, theta, depth
+        self.eps, self.theta, self.depth, self.taps = eps, theta, depth, tuple(taps)
+        if self.taps:  # a real position's h: the final state and the tapped layers' residuals, fused (as MtpHead)
+            self.g_f = nn.Parameter(torch.ones(1 + len(self.taps), dim))
+            self.w_f = nn.Linear((1 + len(self.taps)) * dim, dim, bias=False)
+            with torch.no_grad():  # starts as the final state alone
+                self.w_f.weight.zero_()
+                self.w_f.weight[:, :dim] = torch.eye(dim)
         self.g_h, self.g_e, self.g_a = (nn.Parameter(torch.ones(dim)) for _ in range(3))
         self.g_m, self.g_o = nn.Parameter(torch.ones(dim)), nn.Parameter(torch.ones(dim))
         self.w_in = nn.Linear(2 * dim, dim, bias=False)
@@ -58,6 +67,9 @@ class AttnDraftHead(nn.Module):
         nn.init.zeros_(self.w_down.weight)
 
     def _fuse(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        if h.shape[-1] != self.dim:  # the model's features [..., (1 + taps) * dim]: fused first
+            parts = h.unflatten(-1, (1 + len(self.taps), self.dim))
+            h = self.w_f((_rms(parts, self.eps) * self.g_f).flatten(-2))
         return self.w_in(torch.cat([_rms(h, self.eps) * self.g_h, _rms(e, self.eps) * self.g_e], dim=-1))
 
     def _qkv(self, z: torch.Tensor, pos: torch.Tensor):
@@ -74,28 +86,36 @@ class AttnDraftHead(nn.Module):
         z = z + self.w_down(F.silu(gate) * up)
         return _rms(z, self.eps) * self.g_o
 
-    def chain(self, h: torch.Tensor, emb: torch.Tensor, valid: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    def chain(self, h: torch.Tensor, emb: torch.Tensor, valid: torch.Tensor, steps: int,
+              qpos: torch.Tensor | None = None) -> list[torch.Tensor]:
         """The chain's output states for every start position at once.
 
-        h [B, T, dim]: the real features; emb [B, T + steps - 1, dim]: the embeddings of the answer's tokens
-        (teacher-forced chain inputs; zeros past the end); valid [B, T]: real positions. Returns `steps`
-        tensors [B, T, dim]: step s at start t is the draft state for the token at t + s + 1.
+        h [B, T, W]: the real features (W = dim, or the model's features with taps); emb [B, T + steps - 1, dim]:
+        the embeddings of the answer's tokens (teacher-forced chain inputs; zeros past the end); valid [B, T]:
+        real positions. Returns `steps` tensors [B, T, dim]: step s at start t is the draft state for the token
+        at t + s + 1. `qpos` [B, Q]: start the chains at these positions only (each row's keys are still all
+        its real positions up to the start), and return [B, Q, dim] tensors: training on a window of an
+        answer with the keys before it.
         """
         T = h.shape[1]
         pos = torch.arange(T)
         z = self._fuse(h, emb[:, :T])
         q, k0, v0 = self._qkv(z, pos)
+        P = pos.expand(h.shape[0], T) if qpos is None else qpos
+        if qpos is not None:  # the chains' starts alone
+            z = z.gather(1, qpos[..., None].expand(-1, -1, z.shape[-1]))
+            q = q.gather(2, qpos[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[-1]))
         scale = 1.0 / math.sqrt(self.head_dim)
-        mask = torch.ones(T, T, dtype=torch.bool).tril()[None, None] & valid[:, None, None, :]
+        mask = ((pos[None, None, :] <= P[:, :, None]) & valid[:, None, :])[:, None]  # [B, 1, Q, T]
         real = lambda q: (q @ k0.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))  # noqa: E731
         out = [self._out(z, torch.softmax(real(q), dim=-1) @ v0)]
         ks, vs = [], []
         for s in range(1, steps):
-            z = self._fuse(out[-1], emb[:, s:s + T])
-            q, k, v = self._qkv(z, pos + s)
+            z = self._fuse(out[-1], emb.gather(1, (P + s)[..., None].expand(-1, -1, emb.shape[-1])))
+            q, k, v = self._qkv(z, P + s)
             ks.append(k)
             vs.append(v)
-            diag = torch.stack([(q * kd).sum(-1) * scale for kd in ks], dim=-1)  # [B, heads, T, s]
+            diag = torch.stack([(q * kd).sum(-1) * scale for kd in ks], dim=-1)  # [B, heads, Q, s]
             p = torch.softmax(torch.cat([real(q), diag], dim=-1), dim=-1)
             attn = p[..., :T] @ v0 + (p[..., T:, None] * torch.stack(vs, dim=-2)).sum(-2)
             out.append(self._out(z, attn))

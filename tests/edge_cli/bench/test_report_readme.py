@@ -364,3 +364,34 @@ def test_the_wider_heads_draft_more_but_run_slower_than_the_shipped_ones(committ
         mt = run["mt_bench"]
         assert run["mtp.k3.speedup_over_plain"] == pytest.approx(mt["native_mtp_k3"]["tok_s"] / mt["native_plain"]["tok_s"],
                                                                  abs=0.001)
+
+
+def test_the_attention_head_with_the_mlp_recipe_outdrafts_the_mlp_heads_offline(committed):
+    """bench-results/mtp-attention-written.json (`train-mtp --arch attention --prompt-set written --prompts 10200
+    --taps 20,26 --epochs 2 --precision bf16 --curve 2040,4080 --json`, stopped after its second point: the JSON is
+    written after each point): every figure recomputed from its chain accuracy; the recipe is the MLP heads'
+    (windows of 16 starts, soft loss, taps); the shipped heads replayed in it measure what round 5's run measured
+    on the same MT-Bench answers; and the attention head trained on the answers to the first 4,080 prompts drafts
+    more than the MLP heads trained on those prompts' answers and than the shipped ones (twice its data)."""
+    from edge_cli.train_mtp import expected_accepted
+
+    page, sections, _ = committed
+    d, d5, m4 = _json("mtp-attention-written.json"), _json("mtp-train-written-10200.json"), _json("mtp-train-written-4080.json")
+    att = d["attention"]
+    assert att["loss"] == "soft" and att["window"] == 16 and att["batch"] == 16 and att["taps"] == [20, 26]
+    assert att["precision"] == "bf16" and att["epochs"][-1]["epoch"] == 2
+    for h in (d["mlp_shipped"], att, *d["curve"]):
+        assert len(h["chain_accuracy"]) == 4 and all(0 <= a <= 1 for a in h["chain_accuracy"])
+        assert h["expected_accepted_k3"] == pytest.approx(expected_accepted(h["chain_accuracy"], 3), abs=1e-9)
+        assert 1 <= h["mean_accepted_k3"] <= 4 and len(h["acceptance_per_position"]) == 3
+    curve = d["curve"]
+    assert [c["prompts"] for c in curve] == [2040, 4080] and d["points_planned"] == 3  # the 3 M point: not run
+    assert curve[0]["train_answer_tokens"] < curve[1]["train_answer_tokens"] < d["train_answer_tokens"]
+    assert curve[-1]["chain_accuracy"] == att["chain_accuracy"] and curve[-1]["mean_accepted_k3"] == att["mean_accepted_k3"]
+    assert d["train_answer_tokens"] == d5["generation"]["answer_tokens"]  # the same folder as round 5's run
+    assert d["mlp_shipped"]["mean_accepted_k3"] == pytest.approx(d5["mlp_shipped_before"]["mean_accepted_k3"], abs=0.005)
+    mlp4 = m4["curve"][-1]  # the MLP heads on rounds 1 and 2 (their own folder: within 0.1 % of the tokens)
+    assert curve[-1]["train_answer_tokens"] == pytest.approx(mlp4["train_answer_tokens"], rel=1e-3)
+    assert curve[-1]["mean_accepted_k3"] > d["mlp_shipped"]["mean_accepted_k3"] > mlp4["mean_accepted_k3"]
+    assert any(s.kind == "mtp-heads" and "windows of 16" in s.title for s in sections)
+    assert f"{att['mean_accepted_k3']:.3g}" in page

@@ -1,15 +1,19 @@
 """The attention draft head: its chains see no future position, and training moves its drafts."""
 import torch
 
-from edge_cli.train_attn import batch_of, chain_accuracy
+import pytest
+
+from edge_cli.train_attn import batch_of, chain_accuracy, piece_batch, train_attention, windows
 from edge_runtime.spec.attn_head import AttnDraftHead
 
 
-def _head(steps=4) -> AttnDraftHead:
+def _head(steps=4, taps=()) -> AttnDraftHead:
     torch.manual_seed(0)
-    head = AttnDraftHead(64, 4, 16, 96, torch.arange(50), 1e-5, 10000.0, steps)
+    head = AttnDraftHead(64, 4, 16, 96, torch.arange(50), 1e-5, 10000.0, steps, taps)
     for w in (head.w_o, head.w_down):  # zero at init: make the attention and the block matter
         torch.nn.init.normal_(w.weight, std=0.2)
+    if taps:  # the identity at init: make the tapped layers matter
+        torch.nn.init.normal_(head.w_f.weight, std=0.2)
     return head
 
 
@@ -32,6 +36,71 @@ def test_a_chain_started_at_t_sees_only_positions_up_to_t_and_its_own_steps():
                 cut = head.chain(h[b:b + 1, :t + 1], emb[b:b + 1, :t + steps], valid[b:b + 1, :t + 1], steps)
                 for s in range(steps):
                     assert torch.allclose(whole[s][b, t], cut[s][0, t], atol=1e-5), (b, t, s)
+
+
+def test_chains_started_at_chosen_positions_are_the_whole_answers_chains_there():
+    """Training on windows (`qpos`) computes, for each start, what the chain over the whole answer computes there:
+    the same keys (every real position up to the start), with the tapped layers' features fused."""
+    head, steps = _head(taps=(3, 5)), 3
+    emb_table = torch.randn(50, 64)
+    recs = _records([9, 14, 5], dim=3 * 64)
+    h, emb, valid, _ = batch_of(recs, emb_table, torch.arange(50), steps)
+    qpos = torch.tensor([[2, 3, 8], [0, 13, 6], [4, 1, 1]])
+    with torch.no_grad():
+        whole = head.chain(h, emb, valid, steps)
+        some = head.chain(h, emb, valid, steps, qpos)
+    for s in range(steps):
+        want = whole[s].gather(1, qpos[..., None].expand(-1, -1, 64))
+        assert torch.allclose(some[s], want, atol=1e-5), s
+    assert not torch.allclose(whole[0], head.chain(h[..., :64], emb, valid, steps)[0])  # the taps are read
+
+
+def test_windows_tile_every_start_once_with_their_keys_and_targets():
+    recs = _records([7, 12, 3], seed=3)
+    pieces = windows(recs, 4)
+    assert pieces == [(0, 0, 4), (0, 4, 2), (1, 0, 4), (1, 4, 4), (1, 8, 3), (2, 0, 2)]
+    assert windows(recs, None) == [(0, 0, 6), (1, 0, 11), (2, 0, 2)]
+    starts, flat = [0, 7, 19], torch.cat([r["hidden"] for r in recs])
+    index = torch.arange(50)
+    emb_table = torch.randn(50, 64)
+    h, emb, valid, qpos, rows = piece_batch(pieces[3:5], recs, starts, flat, emb_table, index, 3, "soft")
+    assert h.shape[1] == 11 and valid[0].sum() == 8 and valid[1].sum() == 11  # keys: the answer up to the last start
+    assert torch.equal(h[0, :8], recs[1]["hidden"][:8].float()) and (h[0, 8:] == 0).all()
+    assert qpos.tolist() == [[4, 5, 6, 7], [8, 9, 10, 10]]  # a short piece repeats its last start, without targets
+    assert torch.equal(emb[1, :12], emb_table[recs[1]["tokens"]]) and (emb[1, 12:] == 0).all()
+    # soft: the flat row of the final state at t + s + 1 (-1 past the answer's end and for the repeated start)
+    assert rows[1].tolist() == [[7 + 9, 7 + 10, 7 + 11], [7 + 10, 7 + 11, -1], [7 + 11, -1, -1], [-1, -1, -1]]
+    _, _, _, _, tgt = piece_batch(pieces[5:], recs, starts, flat, emb_table, index, 3, "hard")
+    g = recs[2]["greedy"].tolist()
+    assert tgt[0].tolist() == [[g[1], g[2], -100], [g[2], -100, -100]]
+
+
+class _Backend:
+    """What `train_attention` reads of a backend, for a toy model: its config and its tied embeddings."""
+
+    def __init__(self, emb_table):
+        from types import SimpleNamespace
+
+        cfg = SimpleNamespace(dim=64, num_heads=4, head_dim=16, vocab_size=len(emb_table), norm_eps=1e-5)
+        self.model = SimpleNamespace(cfg=cfg, embedding=lambda ids: emb_table[ids])
+
+
+@pytest.mark.parametrize("loss, window", [("soft", 4), ("hard", None)])
+def test_training_on_windows_or_whole_answers_learns_a_copy_rule(loss, window):
+    """Answers where the model's argmax at i + 1 is token i (and its final state there says so): a chain that
+    learns it drafts at every depth; held-out accuracy must rise from chance, with either loss and batching."""
+    torch.manual_seed(0)
+    emb_table = torch.randn(50, 64)
+    recs = _records([20] * 40, seed=2)
+    for r in recs:
+        r["greedy"] = torch.cat([r["greedy"][:1], r["tokens"][:-1]])
+        r["hidden"] = 8 * emb_table[r["greedy"]]  # the state that chose a token is sure of it (the soft targets)
+    head, report = train_attention({"records": recs}, _Backend(emb_table), steps=3, hidden=96, size=50, epochs=30,
+                                   window=window, answers_per_step=None if window else 4, lr=1e-2, loss=loss,
+                                   progress=lambda *_: None)
+    first, last = report["epochs"][0]["held_out"], report["epochs"][report["best_epoch"] - 1]["held_out"]
+    assert last[0] > 0.9 and last[1] > 0.8 and last[0] > first[0], report["epochs"]
+    assert report["window"] == window and report["batch"] == (64 if window else 4) and report["loss"] == loss
 
 
 def test_targets_line_up_and_training_learns_a_copy_rule():
@@ -73,13 +142,16 @@ def test_train_mtp_arch_attention_measures_both_heads_on_mt_bench(tmp_path, nati
     assert main(["train-mtp", "--curve", "2"]) == 2  # a curve with nowhere to write its figures: refused
     assert main(["train-mtp", "--answers-per-step", "2"]) == 2  # the MLP heads batch positions: refused
     assert main(["train-mtp", "--arch", "attention", "--answers-per-step", "0"]) == 2
+    assert main(["train-mtp", "--window", "4"]) == 2  # the MLP heads have no windows: refused
+    assert main(["train-mtp", "--arch", "attention", "--window", "0"]) == 2
+    assert main(["train-mtp", "--arch", "attention", "--window", "4", "--answers-per-step", "2"]) == 2
     rc = main(["train-mtp", "--arch", "attention", "--prompts", "4", "--max-tokens", "12", "--epochs", "1",
-               "--answers-per-step", "3",
+               "--window", "4",
                "--hidden", "64", "--draft-vocab", "256", "--data", str(tmp_path / "answers.pt"), "--json", str(out),
                "--mt-bench", "2", "--mt-bench-cache", str(cache), "--curve", "2"])
     d = json.loads(out.read_text())
     assert rc == 0 and cache.exists() and d["mt_bench_answers"] == 2 and d["train_answer_tokens"] > 0
-    assert d["attention"]["batch"] == 3
+    assert d["attention"]["window"] == 4 and d["attention"]["batch"] == 64 and d["attention"]["loss"] == "soft"
     assert [c["prompts"] for c in d["curve"]] == [2, 4] and d["curve"][-1]["chain_accuracy"] == \
         d["attention"]["chain_accuracy"] and d["curve"][0]["train_answer_tokens"] < d["train_answer_tokens"]
     for h in (d["mlp_shipped"], d["attention"], *d["curve"]):
