@@ -134,11 +134,11 @@ def test_soft_loss_is_the_cross_entropy_against_the_models_own_distribution():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--arch", "attention", "--taps", "20"], "--taps applies to the MLP heads"),
-    (["--taps", "20"], "--taps applies to the MLP heads"),  # the small set
+    (["--arch", "attention", "--taps", "20"], "--taps applies to --prompt-set large, chat or written"),  # the small set
+    (["--taps", "20"], "--taps applies to --prompt-set large, chat or written"),
     (["--prompt-set", "large", "--taps", "30"], "--taps must be layers 0..29"),
-    (["--arch", "attention", "--loss", "soft"], "--loss applies to the MLP heads"),
-    (["--arch", "attention", "--precision", "bf16"], "--precision applies to the MLP heads"),
+    (["--window", "8"], "--window (8) is the attention head's"),  # the MLP heads have no windows
+    (["--arch", "attention", "--window", "8", "--answers-per-step", "2"], "without --answers-per-step"),
     (["--shards", "3"], "--shards applies to --prompt-set large"),  # the small set is one file
     (["--prompt-set", "large", "--shards", "0"], "must be at least 1"),
 ])
