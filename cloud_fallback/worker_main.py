@@ -46,11 +46,12 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--upstream-model", default=None, help="model name on the upstream server (default: its first)")
     p.add_argument("--upstream-key-file", default=None, help="file holding the upstream server's API key")
     p.add_argument("--max-batch", type=int, default=8, help="sequences per step (continuous batching)")
-    p.add_argument("--draft", default="none", choices=["none", "ngram", "mtp", "mtp-ngram", "mtp-tree"],
+    p.add_argument("--draft", default="none", choices=["none", "ngram", "mtp", "mtp-ngram", "mtp-tree", "mtp-attn",
+                                                         "mtp-attn-ngram"],
                    help="speculative decoding, output unchanged: drafts as extra rows of each step, as many per "
                         "sequence as pay for themselves; ngram = prompt lookup, mtp = the model's shipped MTP heads, "
                         "mtp-ngram = prompt lookup where the last 2+ tokens match, else the heads, "
-                        "mtp-tree = their draft trees")
+                        "mtp-tree = their draft trees, mtp-attn = the attention draft head's chains, mtp-attn-ngram = prompt lookup, else those")
     p.add_argument("--max-batched-tokens", type=int, default=512, help="tokens computed per step")
     p.add_argument("--chunk-size", type=int, default=256, help="prefill chunk size (a multiple of 16)")
     p.add_argument("--max-tokens", dest="limit_max_tokens", type=int, default=2048, help="limit on max_tokens")
@@ -168,16 +169,18 @@ def run_worker(args) -> int:
 
 
 def _draft_mtp(engine, method: str = "mtp") -> None:
-    """The engine drafts with the MTP heads shipped for its model (found by the model's fingerprint, as the
-    device's native backend finds them); none shipped, or no fused C step, is a one-line error."""
+    """The engine drafts with the MTP heads (the attention head for "mtp-attn*") shipped for its model (found by
+    the model's fingerprint, as the device's native backend finds them); none shipped, or no fused C step, is a
+    one-line error."""
     import types
 
     from edge_runtime.errors import InvalidRequestError
+    from edge_runtime.spec.attn_drafter import AttnDrafter
     from edge_runtime.spec.mtp import MtpDrafter
 
     model = types.SimpleNamespace(name="worker", model=engine.model, tokenizer_fingerprint=engine.tokenizer.fingerprint)
     try:
-        engine.set_draft(method, mtp=MtpDrafter.for_backend(model))
+        engine.set_draft(method, mtp=(AttnDrafter if method.startswith("mtp-attn") else MtpDrafter).for_backend(model))
     except (InvalidRequestError, ValueError) as e:
         raise EdgeRuntimeError(f"--draft {method}: {getattr(e, 'message', None) or e}") from None
 

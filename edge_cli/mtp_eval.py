@@ -59,6 +59,22 @@ def drafter_walk(drafter, records: list[dict], k: int = 3, limit: int | None = N
     return summary([one(r) for r in records])
 
 
+def chain_walk(drafter, records: list[dict], k: int = 3, limit: int | None = None) -> dict:
+    """An `AttnDrafter` (what `--draft mtp-attn` runs: a chain per answer, fed each token with the row that
+    chose it, as the engine feeds it) replayed over greedy answers asked for `limit` tokens."""
+    def one(r):
+        tokens, hidden, chain, fed = r["tokens"].tolist(), r["hidden"], drafter.new_chain(), [0]
+
+        def propose(i, m):
+            for j in range(fed[0], i + 1):
+                chain.feed(hidden[j], tokens[j])
+            fed[0] = i + 1
+            return chain.propose(tokens[:i + 1], m)
+        return walk(tokens, propose, k, limit)
+
+    return summary([one(r) for r in records])
+
+
 def lookup_walk(drafter, records: list[dict], prompts: list[list[int]], k: int = 3, limit: int | None = None) -> dict:
     """The heads with prompt lookup (`LookupThenHeads`, what `--draft mtp-ngram` runs) replayed over greedy
     answers; `prompts[j]`: the prompt ids of `records[j]`, which lookup reads with the answer so far."""

@@ -266,7 +266,7 @@ def _sizes(data: dict, curve: list[int] | None):
 def compare_heads(data: dict, backend, args) -> dict:
     """`train-mtp --arch attention`: trains the attention head on `data` and measures it and the shipped MLP
     heads offline on MT-Bench's first turns (greedy, 128 tokens): verification replayed at k = 3, chain
-    accuracy per depth. No drafter loads the attention head yet, so it is measured, not written. With
+    accuracy per depth. Returns the head trained on all of `data` (the last point), its report and the figures. With
     `--json` the figures so far are written after each point of the curve (`points_planned` says how many
     the run set out to make), so a long run stopped early keeps the points it finished."""
     from edge_cli.mtp_eval import attention_walk
@@ -298,7 +298,8 @@ def compare_heads(data: dict, backend, args) -> dict:
             os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
             with open(args.json, "w", encoding="utf-8") as f:
                 f.write(json.dumps(figures, indent=2) + "\n")
-    return figures
+    report.update({k: curve[-1][k] for k in ("chain_accuracy", "mean_accepted_k3", "acceptance_per_position")})
+    return head, report, figures
 
 
 def mlp_curve(data: dict, backend, args):

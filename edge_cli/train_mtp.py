@@ -246,9 +246,6 @@ def run_train_mtp(args) -> int:
     from edge_runtime.backends.native import NativeBackend
     from edge_cli.mtp_data import build_dataset, build_shards, first_prompts, load_shards
 
-    if args.arch == "attention" and args.out:
-        raise EdgeRuntimeError("train-mtp: --out does not apply to --arch attention (no drafter loads that head yet; "
-                               "its figures go to --json)")
     if args.arch == "mlp" and args.answers_per_step is not None:
         raise EdgeRuntimeError("train-mtp: --answers-per-step applies to --arch attention (the MLP heads train on "
                                "batches of 256 positions)")
@@ -299,16 +296,27 @@ def run_train_mtp(args) -> int:
               "(self-distillation)")
         data = build_dataset(backend, args.data or SMALL_DATA, args.prompts or None,
                              args.max_tokens, temps, seed=args.seed)
+    if args.train_prompts is not None:
+        if not 1 <= args.train_prompts <= data["prompts"]:
+            raise EdgeRuntimeError(f"train-mtp: --train-prompts must be 1 to the data's {data['prompts']} prompts, "
+                                   f"not {args.train_prompts}")
+        data = first_prompts(data, args.train_prompts)
+        print(f"train-mtp: training on the {len(data['records'])} answers to the first {args.train_prompts} prompts")
     print(f"train-mtp: {sum(len(r['tokens']) for r in data['records'])} answer tokens")
     if args.epochs < 1:
         print("train-mtp: --epochs 0: the answers are cached, no training")
         return 0
     from edge_cli.bench.decode import print_and_save
 
+    name = os.path.splitext(os.path.basename(backend.path))[0]
     if args.arch == "attention":
         from edge_cli.train_attn import compare_heads
 
-        print_and_save(compare_heads(data, backend, args), args.json)
+        head, report, figures = compare_heads(data, backend, args)
+        print_and_save(figures, args.json)
+        out = args.out or os.path.join(HEADS_DIR, f"{name}.attn.safetensors")
+        head.save(out, base_fingerprint(backend), report)
+        print(f"train-mtp: wrote {out} ({os.path.getsize(out) / 1e6:.1f} MB)")
         return 0
     if args.json:  # heads for each data size of --curve, then all of it, measured on MT-Bench
         from edge_cli.train_attn import mlp_curve
@@ -319,7 +327,7 @@ def run_train_mtp(args) -> int:
         head, report = train(data, backend, depth=args.depth, hidden=args.hidden, draft_vocab=args.draft_vocab,
                              epochs=args.epochs, seed=args.seed, loss=args.loss or "soft",
                              precision=args.precision or "fp32")
-    out = args.out or os.path.join(HEADS_DIR, f"{os.path.splitext(os.path.basename(backend.path))[0]}.safetensors")
+    out = args.out or os.path.join(HEADS_DIR, f"{name}.safetensors")
     head.save(out, base_fingerprint(backend), report)
     print(f"train-mtp: wrote {out} ({os.path.getsize(out) / 1e6:.1f} MB)")
     return 0
@@ -382,5 +390,8 @@ def add_train_mtp_parser(sub) -> None:
                         "of tokens per verification against training tokens)")
     t.add_argument("--mt-bench-cache", default=os.path.join(".cache", "mtp-mt-bench.pt"),
                    help="with --json: cache of the model's MT-Bench answers")
-    t.add_argument("--out", default=None, help="output file (default: edge_runtime/data/mtp/<model>.safetensors)")
+    t.add_argument("--train-prompts", type=int, default=None,
+                   help="train on the answers to the first N prompts of the data only (the rest stays on disk)")
+    t.add_argument("--out", default=None, help="output file (default: edge_runtime/data/mtp/<model>.safetensors, "
+                   "with --arch attention <model>.attn.safetensors)")
     t.set_defaults(func=lambda a: run_train_mtp(a))

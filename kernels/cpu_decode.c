@@ -767,6 +767,187 @@ int mtp_head_step(int F, const int* dims, float eps, const uint8_t** w, const fl
     return rc_all;
 }
 
+void rows_argmax(const float* x, int M, int N, int64_t* out);
+
+/* q [hd] and k [hd] of one head rotated to position pos (rotate-half RoPE, pairs (i, i + hd/2), angle
+ * pos * freqs[i], the order of spec/attn_head.py's rope). */
+static void rope_pair(float* x, int hd, const float* freqs, int pos) {
+    const int half = hd / 2;
+    for (int i = 0; i < half; i++) {
+        const float ang = (float)pos * freqs[i], c = cosf(ang), s = sinf(ang), a = x[i], b = x[i + half];
+        x[i] = a * c - b * s;
+        x[i + half] = a * s + b * c;
+    }
+}
+
+/* The attention draft head (edge_runtime/spec/attn_drafter.py) in one call, as mtp_head_step is the MLP
+ * heads': the m rows fed since the last chain (the model's features h [m, parts * dim], their tokens'
+ * embeddings e [m, dim]) go into the head's key/value cache (kc, vc [heads, cap, head_dim]) at positions
+ * n..n+m-1, then a chain of k drafts starts at the last of them (m = 0: at zlast, the last position's
+ * fused input, kept from the call before; k = 0: the rows alone, m <= 8 a call). Step s >= 1 reads the previous step's state and the embedding
+ * of its draft (emb_rows [n_vocab, dim]) at position n + m - 1 + s; its key and value go to cache slot
+ * n + m + s - 1, past the answer's (scratch: the next call overwrites them). dims: dim, heads, head_dim,
+ * hidden, n_vocab, parts, threads, the weights' kind code (+ 16: packed), arith, n, m, k, cap. w: w_f,
+ * w_in, w_qkv, w_o, w_gate_up, w_down, the draft vocabulary's rows. g: g_f, g_h, g_e, g_a, g_m, g_o.
+ * freqs [head_dim / 2]: RoPE's. Out: drafts [k] (rows of the draft vocabulary), zlast. The GEMVs are
+ * team_gemm's, the norms decode_add_rmsnorm's, the attention fp32 (dot, softmax_exp): the drafts agree
+ * with the torch reference's to float rounding. Returns 0, a GEMV's rc, -1 (bad shapes) or -2 (memory). */
+int attn_head_chain(const int* dims, float eps, float scale, const uint8_t** w, const float** g, const float* h,
+                    const float* e, float* kc, float* vc, const float* freqs, const float* emb_rows, float* zlast,
+                    int* drafts) {
+    const int dim = dims[0], H = dims[1], hd = dims[2], hidden = dims[3], n_vocab = dims[4], parts = dims[5];
+    const int nt = dims[6] > 1 ? dims[6] : 1, kind = dims[7], arith = dims[8], n = dims[9], m = dims[10];
+    const int k = dims[11], cap = dims[12], qd = H * hd, M = m > 0 ? m : 1, N = n + m;
+    if (m < 0 || m > 8 || k < 0 || N < 1 || N + k - 1 > cap || parts < 1 || dim % 32 || hidden % 32 || qd % 32
+        || hd % 2 || (m == 0 && n < 1))
+        return -1;
+    int kmax = parts * dim > 2 * dim ? parts * dim : 2 * dim;
+    kmax = kmax > hidden ? kmax : hidden;
+    kmax = kmax > qd ? kmax : qd;
+    const size_t nf = (size_t)M * ((size_t)parts * dim + 5 * dim + 3 * (size_t)qd) + qd + 3 * (size_t)dim
+                      + 3 * (size_t)hidden + n_vocab + (size_t)H * (N + k);
+    float* buf = aligned_alloc(64, (sizeof(float) * nf + 63) / 64 * 64);
+    const size_t wsb = arith ? qgemm_workspace(kmax, M) : sizeof(float) * (size_t)M * (kmax / 32);
+    void* ws = aligned_alloc(64, (wsb + 63) / 64 * 64);
+    if (!buf || !ws) {
+        free(buf);
+        free(ws);
+        return -2;
+    }
+    float* u = buf;                                  /* [M, parts * dim]: the normed features */
+    float* a = u + (size_t)M * parts * dim;          /* [M, 2 dim]: [rms(h) g_h | rms(e) g_e] */
+    float* hf = a + (size_t)M * 2 * dim;             /* [M, dim]: the fused features */
+    float* z = hf + (size_t)M * dim;                 /* [M, dim]: the layer's input (the residual) */
+    float* xq = z + (size_t)M * dim;                 /* [M, dim]: rms(z) g_a */
+    float* qkv = xq + (size_t)M * dim;               /* [M, 3 qd] */
+    float* att = qkv + (size_t)M * 3 * qd;           /* [qd]: the heads' outputs */
+    float* o = att + qd;                             /* [dim] */
+    float* xm = o + dim;                             /* [dim]: rms(z + o) g_m */
+    float* dn = xm + dim;                            /* [dim] */
+    float* gu = dn + dim;                            /* [2 hidden] */
+    float* act = gu + 2 * (size_t)hidden;            /* [hidden] */
+    float* logits = act + hidden;                    /* [n_vocab] */
+    float* sc = logits + n_vocab;                    /* [H, N + k]: scores */
+    float* state = u;                                /* [dim]: a step's output (u is free by then) */
+    team_barrier bar;
+    team_barrier_init(&bar, 1);
+    int rc_all = 0;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        const int t = team_enter(&bar), T = bar.n;
+        int rc = 0;
+        if (m > 0) { /* the rows: fused, then their keys and values */
+            const float* hx = h;
+            if (parts > 1) {
+                for (int f = t; f < m; f += T)
+                    for (int p = 0; p < parts; p++)
+                        decode_add_rmsnorm((float*)h + ((size_t)f * parts + p) * dim, NULL, g[0] + (size_t)p * dim,
+                                           dim, eps, u + ((size_t)f * parts + p) * dim);
+                team_sync(&bar);
+                rc = team_gemm(kind, arith, w[0], dim, parts * dim, u, m, hf, ws, t, &bar);
+                team_sync(&bar);
+                hx = hf;
+            }
+            for (int f = t; f < m && !rc; f += T) {
+                decode_add_rmsnorm((float*)hx + (size_t)f * dim, NULL, g[1], dim, eps, a + (size_t)f * 2 * dim);
+                decode_add_rmsnorm((float*)e + (size_t)f * dim, NULL, g[2], dim, eps, a + (size_t)f * 2 * dim + dim);
+            }
+            team_sync(&bar);
+            if (!rc) rc = team_gemm(kind, arith, w[1], dim, 2 * dim, a, m, z, ws, t, &bar);
+            team_sync(&bar);
+        } else {
+            if (t == 0) memcpy(z, zlast, sizeof(float) * dim);
+            team_sync(&bar);
+        }
+        for (int f = t; f < M && !rc; f += T) decode_add_rmsnorm(z + (size_t)f * dim, NULL, g[3], dim, eps, xq + (size_t)f * dim);
+        team_sync(&bar);
+        if (!rc) rc = team_gemm(kind, arith, w[2], 3 * qd, dim, xq, M, qkv, ws, t, &bar);
+        team_sync(&bar);
+        for (int f = t; f < m && !rc; f += T) /* rotated keys and values into the cache */
+            for (int j = 0; j < H; j++) {
+                float* kr = kc + ((size_t)j * cap + n + f) * hd;
+                memcpy(kr, qkv + (size_t)f * 3 * qd + qd + (size_t)j * hd, sizeof(float) * hd);
+                rope_pair(kr, hd, freqs, n + f);
+                memcpy(vc + ((size_t)j * cap + n + f) * hd, qkv + (size_t)f * 3 * qd + 2 * qd + (size_t)j * hd,
+                       sizeof(float) * hd);
+            }
+        float* zc = z + (size_t)(M - 1) * dim;       /* the chain's current input and query */
+        float* q = qkv + (size_t)(M - 1) * 3 * qd;
+        if (t == 0 && !rc) {
+            memcpy(zlast, zc, sizeof(float) * dim);
+            for (int j = 0; j < H; j++) rope_pair(q + (size_t)j * hd, hd, freqs, N - 1);
+        }
+        team_sync(&bar);
+        for (int s = 0; s < k && !rc; s++) {
+            if (s) { /* the previous state and its draft at position N - 1 + s: fused, its query, key, value */
+                if (t == 0) {
+                    decode_add_rmsnorm(state, NULL, g[1], dim, eps, a);
+                    decode_add_rmsnorm((float*)emb_rows + (size_t)drafts[s - 1] * dim, NULL, g[2], dim, eps, a + dim);
+                }
+                team_sync(&bar);
+                rc = team_gemm(kind, arith, w[1], dim, 2 * dim, a, 1, zc, ws, t, &bar);
+                team_sync(&bar);
+                if (t == 0) decode_add_rmsnorm(zc, NULL, g[3], dim, eps, xq);
+                team_sync(&bar);
+                if (!rc) rc = team_gemm(kind, arith, w[2], 3 * qd, dim, xq, 1, q, ws, t, &bar);
+                team_sync(&bar);
+                for (int j = t; j < H && !rc; j += T) {
+                    float* kr = kc + ((size_t)j * cap + N + s - 1) * hd;
+                    rope_pair(q + (size_t)j * hd, hd, freqs, N - 1 + s);
+                    memcpy(kr, q + qd + (size_t)j * hd, sizeof(float) * hd);
+                    rope_pair(kr, hd, freqs, N - 1 + s);
+                    memcpy(vc + ((size_t)j * cap + N + s - 1) * hd, q + 2 * qd + (size_t)j * hd, sizeof(float) * hd);
+                }
+                team_sync(&bar);
+            }
+            const int keys = N + s;
+            for (int j = t; j < H && !rc; j += T) { /* head j over the answer's keys and the chain's so far */
+                float* sj = sc + (size_t)j * (N + k);
+                const float* qj = q + (size_t)j * hd;
+                for (int p = 0; p < keys; p++) sj[p] = dot(qj, kc + ((size_t)j * cap + p) * hd, hd) * scale;
+                const float r = softmax_exp(sj, keys);
+                float* oj = att + (size_t)j * hd;
+                for (int i = 0; i < hd; i++) oj[i] = 0.0f;
+                for (int p = 0; p < keys; p++) {
+                    const float pr = sj[p] * r, *vr = vc + ((size_t)j * cap + p) * hd;
+                    for (int i = 0; i < hd; i++) oj[i] += pr * vr[i];
+                }
+            }
+            team_sync(&bar);
+            if (!rc) rc = team_gemm(kind, arith, w[3], dim, qd, att, 1, o, ws, t, &bar);
+            team_sync(&bar);
+            if (t == 0) { /* o = z + W_o attn: the residual after attention */
+                for (int i = 0; i < dim; i++) o[i] += zc[i];
+                decode_add_rmsnorm(o, NULL, g[4], dim, eps, xm);
+            }
+            team_sync(&bar);
+            if (!rc) rc = team_gemm(kind, arith, w[4], 2 * hidden, dim, xm, 1, gu, ws, t, &bar);
+            team_sync(&bar);
+            if (!rc) {
+                const int i0 = hidden / 8 * t / T * 8, i1 = t == T - 1 ? hidden : hidden / 8 * (t + 1) / T * 8;
+                silu_mul_range(gu, hidden, act, i0, i1);
+            }
+            team_sync(&bar);
+            if (!rc) rc = team_gemm(kind, arith, w[5], dim, hidden, act, 1, dn, ws, t, &bar);
+            team_sync(&bar);
+            if (t == 0) decode_add_rmsnorm(o, dn, g[5], dim, eps, state);
+            team_sync(&bar);
+            if (!rc) rc = team_gemm(kind, arith, w[6], n_vocab, dim, state, 1, logits, ws, t, &bar);
+            team_sync(&bar);
+            if (t == 0 && !rc) {
+                int64_t best;
+                rows_argmax(logits, 1, n_vocab, &best);
+                drafts[s] = (int)best;
+            }
+            team_sync(&bar);
+        }
+        if (t == 0) rc_all = rc;
+    }
+    free(ws);
+    free(buf);
+    return rc_all;
+}
+
 void rows_argmax(const float* x, int M, int N, int64_t* out) {
     for (int m = 0; m < M; m++) {
         const float* r = x + (size_t)m * N;

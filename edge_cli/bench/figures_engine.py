@@ -168,6 +168,7 @@ def _attention(d):
 SPEC_KEYS = [("mtp.speedup_over_plain", "MTP vs plain decode", "plain decode 1.0"),
              ("mtp.speedup_over_llama_cpp", "MTP vs llama.cpp", "llama.cpp 1.0"),
              ("mtp.tree.speedup_over_plain", "MTP trees vs plain decode", "plain decode 1.0"),
+             ("mtp_attn.speedup_over_plain", "attention head vs plain decode", "plain decode 1.0"),
              ("auto.speedup_over_plain", "--draft auto vs plain (MT-Bench)", "plain decode 1.0"),
              ("auto.speedup_over_llama_cpp", "--draft auto vs llama.cpp (MT-Bench)", "llama.cpp 1.0"),
              ("auto.speedup_over_plain_grounded", "--draft auto vs plain (grounded prompts)", "plain decode 1.0"),
@@ -183,7 +184,8 @@ def _spec(d):
     for i, (k, _, _) in enumerate(keys):
         _hline(axs[0], _target(d, k), "target" if i == 0 else None, i)
     accepted = [(k, n) for k, n in (("mtp.mean_accepted", "MTP chains"), ("mtp_ngram.mean_accepted", "MTP + lookup"),
-                                    ("mtp.tree_mean_accepted", "MTP trees")) if _isnum(_get(d, k))]
+                                    ("mtp.tree_mean_accepted", "MTP trees"),
+                                    ("mtp_attn.mean_accepted", "attention head chains")) if _isnum(_get(d, k))]
     _bars(axs[1], [n for _, n in accepted], [_get(d, k) for k, _ in accepted], "tokens per verification\n(mean)",
           "tokens")
     rows = [_row(name, _num(_get(d, k)), anchor, _get(d, k), k, _target(d, k)) for k, name, anchor in keys]

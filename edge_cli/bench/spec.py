@@ -9,7 +9,9 @@ Per prompt every configuration runs back to back (so drifts of the machine hit a
 native plain, native MTP at a fixed k = `--draft-k` (acceptance figures), native MTP with the
 adaptive draft length (what `--draft mtp` gives), the heads with prompt lookup at the fixed k
 (`--draft mtp-ngram`'s acceptance figures; MT-Bench only), draft trees of a fixed `--tree-size` drafts (tree
-acceptance figures) and of the adaptive size (what `--draft mtp-tree` gives; MT-Bench only), n-gram
+acceptance figures) and of the adaptive size (what `--draft mtp-tree` gives; MT-Bench only), the attention
+head's chains and prompt lookup with them, each at the fixed k and the adaptive length (`--draft mtp-attn`,
+`mtp-attn-ngram`; where that head ships), n-gram
 on both engines, `--draft auto` (the default: `mtp-ngram` with the adaptive length where heads ship,
 else n-gram), and llama.cpp plain
 on the same GGUF with the same threads, in a worker process of its own (`LlamaWorker`: in this
@@ -182,6 +184,7 @@ class _Rows:
 
 def run_spec_bench(args) -> int:
     from edge_runtime.backends.native import NativeBackend
+    from edge_runtime.spec.attn_head import FORMAT as ATTN_FORMAT
     from edge_runtime.spec.mtp import find_heads
 
     questions, grounded = mt_bench_prompts(args.questions), grounded_prompts(args.grounded)  # before any model
@@ -189,10 +192,12 @@ def run_spec_bench(args) -> int:
     worker = LlamaWorker(args.model, args.threads or native_threads())
     llama = _Rows(worker)
     has_mtp = find_heads(native) is not None
+    has_attn = find_heads(native, ATTN_FORMAT) is not None
     n_tok, k, tree = args.spec_tokens, args.draft_k, args.tree_size
-    mt = {name: Tally() for name in ("plain", "mtp_k", "mtp", "mtp_ngram_k", "tree_k", "tree", "ngram", "auto",
-                                     "llama_plain")}
-    gr = {name: Tally() for name in ("plain", "ngram", "mtp", "auto", "llama_plain", "llama_ngram")}
+    mt = {name: Tally() for name in ("plain", "mtp_k", "mtp", "mtp_ngram_k", "tree_k", "tree", "attn_k", "attn",
+                                     "attn_ngram_k", "attn_ngram", "ngram", "auto", "llama_plain")}
+    gr = {name: Tally() for name in ("plain", "ngram", "mtp", "attn", "attn_ngram", "auto", "llama_plain",
+                                     "llama_ngram")}
     t0 = time.time()
     for i, q in enumerate(questions):
         _run(native, "none", None, q, n_tok, mt["plain"])
@@ -202,6 +207,11 @@ def run_spec_bench(args) -> int:
             _run(native, "mtp-ngram", k, q, n_tok, mt["mtp_ngram_k"])
             _run(native, "mtp-tree", tree, q, n_tok, mt["tree_k"])
             _run(native, "mtp-tree", None, q, n_tok, mt["tree"])
+        if has_attn:
+            _run(native, "mtp-attn", k, q, n_tok, mt["attn_k"])
+            _run(native, "mtp-attn", None, q, n_tok, mt["attn"])
+            _run(native, "mtp-attn-ngram", k, q, n_tok, mt["attn_ngram_k"])
+            _run(native, "mtp-attn-ngram", None, q, n_tok, mt["attn_ngram"])
         _run(native, "ngram", None, q, n_tok, mt["ngram"])
         _run(native, "auto", None, q, n_tok, mt["auto"])
         _run(llama, "none", None, q, n_tok, mt["llama_plain"])
@@ -212,6 +222,9 @@ def run_spec_bench(args) -> int:
         _run(native, "auto", None, p, n_tok, gr["auto"])
         if has_mtp:
             _run(native, "mtp", None, p, n_tok, gr["mtp"])
+        if has_attn:
+            _run(native, "mtp-attn", None, p, n_tok, gr["attn"])
+            _run(native, "mtp-attn-ngram", None, p, n_tok, gr["attn_ngram"])
         _run(llama, "none", None, p, n_tok, gr["llama_plain"])
         _run(llama, "ngram", None, p, n_tok, gr["llama_ngram"])
         print(f"  grounded {i + 1}/{len(grounded)} ({time.time() - t0:.0f} s)", flush=True)
@@ -262,6 +275,23 @@ def run_spec_bench(args) -> int:
         res["mtp.tree.speedup_over_llama_cpp"] = round(ta["tok_s"] / lplain["tok_s"], 3)
     else:
         res["mtp"] = "no MTP heads ship for this model: run `edge-runtime train-mtp`"
+    if has_attn:  # the attention head's chains (--draft mtp-attn)
+        ak, aa = mt["attn_k"].summary(mt["plain"]), mt["attn"].summary(mt["plain"])
+        res["mt_bench"].update({f"native_mtp_attn_k{k}": ak, "native_mtp_attn": aa})
+        res["grounded"]["native_mtp_attn"] = gr["attn"].summary(gr["plain"])
+        res["mtp_attn.mean_accepted"] = ak.get("mean_accepted", 0.0)
+        res["mtp_attn.acceptance_per_position"] = ak.get("acceptance_per_position", [])
+        res[f"mtp_attn.k{k}.speedup_over_plain"] = round(ak["tok_s"] / plain["tok_s"], 3)
+        res["mtp_attn.speedup_over_plain"] = round(aa["tok_s"] / plain["tok_s"], 3)
+        res["mtp_attn.speedup_over_llama_cpp"] = round(aa["tok_s"] / lplain["tok_s"], 3)
+        nk, na = mt["attn_ngram_k"].summary(mt["plain"]), mt["attn_ngram"].summary(mt["plain"])
+        res["mt_bench"].update({f"native_mtp_attn_ngram_k{k}": nk, "native_mtp_attn_ngram": na})
+        res["grounded"]["native_mtp_attn_ngram"] = gr["attn_ngram"].summary(gr["plain"])
+        res["mtp_attn_ngram.mean_accepted"] = nk.get("mean_accepted", 0.0)
+        res[f"mtp_attn_ngram.k{k}.speedup_over_plain"] = round(nk["tok_s"] / plain["tok_s"], 3)
+        res["mtp_attn_ngram.speedup_over_plain"] = round(na["tok_s"] / plain["tok_s"], 3)
+        res["mtp_attn_ngram.speedup_over_plain_grounded"] = round(
+            res["grounded"]["native_mtp_attn_ngram"]["tok_s"] / gplain["tok_s"], 3)
     res["lossless"] = all(v.get("identical", True) for w in ("mt_bench", "grounded") for name, v in res[w].items()
                           if isinstance(v, dict) and name.startswith("native"))
     res["grounded"]["llama_cpp_ngram"]["note"] = (

@@ -37,7 +37,8 @@ class Backend(ABC):
     def set_draft(self, name: str, k: int | None = None, allow_inexact: bool = False) -> None:
         """Speculative drafting for this backend's requests: "auto", "none", "ngram" (prompt lookup) or
         "mtp" (the model's trained multi-token-prediction heads), "mtp-ngram" (prompt lookup where the last two tokens
-        or more match, else the heads) or "mtp-tree" (their draft trees, tree.py);
+        or more match, else the heads) or "mtp-tree" (their draft trees, tree.py); "mtp-attn" (the attention head)
+        drafts in the native backend's batch engine only and is refused here;
         `k` fixes the draft length, or the tree's size in drafts (default: adaptive). Output is unchanged;
         see speculative.py."""
         from edge_runtime.errors import InvalidRequestError

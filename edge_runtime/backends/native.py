@@ -313,23 +313,24 @@ class NativeBackend(Backend):
         self.engine.blocks.reset_prefix_cache()
 
     def set_draft(self, name: str, k: int | None = None, allow_inexact: bool = False) -> None:
-        """Drafting in the engine's steps: "auto", "none", "ngram", "mtp", "mtp-ngram" or "mtp-tree"; `k` fixes
-        the draft length or tree size (default: the planner's choice). "auto": where the fused C step runs,
-        "mtp-ngram" (prompt lookup where the last two tokens or more match earlier ones, else the heads' chain)
-        when heads ship for the model, "ngram" when none do; else none. Output is unchanged."""
+        """Drafting in the engine's steps: "auto", "none", "ngram", "mtp", "mtp-ngram", "mtp-tree", "mtp-attn" or "mtp-attn-ngram"
+        (the attention head's chains, alone or after prompt lookup); `k` fixes the draft length or tree size (default: the planner's choice).
+        "auto": where the fused C step runs, "mtp-ngram" (prompt lookup where the last two tokens or more match
+        earlier ones, else the heads' chain) when heads ship, "ngram" when none do; else none. Output is unchanged."""
+        from edge_runtime.spec.attn_drafter import AttnDrafter
+        from edge_runtime.spec.mtp import MtpDrafter, find_heads
         from edge_runtime.spec.speculative import DRAFTERS
 
         if name not in DRAFTERS:
             raise InvalidRequestError(f"unknown draft method {name!r}: choose one of {', '.join(DRAFTERS)}")
-        from edge_runtime.spec.mtp import MtpDrafter, find_heads
-
         engine = self.engine
         if name == "auto":  # fastest on MT-Bench, level with n-gram on grounded work (bench spec)
             name = "none" if engine.model.fused is None else "mtp-ngram" if find_heads(self) else "ngram"
         mtp = None
-        if name.startswith("mtp"):
-            mtp = getattr(self, "_mtp_drafter", None) or MtpDrafter.for_backend(self)
-            self._mtp_drafter = mtp
+        if name.startswith("mtp"):  # mtp-attn*: the attention head (spec/attn_drafter.py); else the MLP heads
+            kind, attr = (AttnDrafter, "_attn_drafter") if name.startswith("mtp-attn") else (MtpDrafter, "_mtp_drafter")
+            mtp = getattr(self, attr, None) or kind.for_backend(self)
+            setattr(self, attr, mtp)
         try:
             engine.set_draft(name, mtp=mtp, fixed_k=k)
         except ValueError as e:

@@ -118,8 +118,8 @@ class BatchEngine:
         return cpu_gemv.arith()
 
     def set_draft(self, method: str, mtp=None, fixed_k: int | None = None) -> None:
-        """Drafting for requests submitted from now on: "none", "ngram", "mtp", "mtp-ngram" or "mtp-tree" (with
-        `mtp`, an MtpDrafter, for all but "ngram"; drafting.py).
+        """Drafting for requests submitted from now on: "none", "ngram", "mtp", "mtp-ngram", "mtp-tree" (with
+        `mtp`, an MtpDrafter, for all but "ngram"; drafting.py) or "mtp-attn" (`mtp`: an AttnDrafter).
         Drafts need the fused C step (its rows are bit for bit one-token steps); elsewhere it is refused."""
         if method not in DRAFTS:
             raise ValueError(f"the batch engine drafts with {' or '.join(DRAFTS)}, not {method!r}")
@@ -272,8 +272,11 @@ class BatchEngine:
             if rows is not None and job is not None and not job.done:
                 sampled, path = self._sample(job, chunk, rows, best)
             before, finish = chunk.seq.num_tokens, None
+            feed = job.drafts.feed if sampled and job.drafts is not None else None
             for i, token in enumerate(sampled):
                 job.hidden = hidden[path[i]] if hidden is not None else None
+                if feed is not None and job.hidden is not None:  # the attention head's keys: every token's row
+                    feed(job.hidden, token)
                 finish = self._emit_token(job, token, before + i + 1, rows[path[i]])
                 if finish is not None:  # what the answer does not use is neither kept nor cached
                     del sampled[i + 1:]

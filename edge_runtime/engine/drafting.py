@@ -20,7 +20,9 @@ and everything else is truncated as a rejected chain would be. The planner sizes
 trees of each size would have earned the sequence so far (`TreeGain`, scored against its answer).
 "mtp-ngram" (what `--draft auto` runs where heads ship) gives each sequence prompt lookup's chain where its
 last two tokens or more match earlier ones, else the heads' chain (speculative.py `LookupThenHeads`), each
-with an acceptance estimate of its own.
+with an acceptance estimate of its own. "mtp-attn" and "mtp-attn-ngram" are "mtp" and "mtp-ngram" with the
+attention head (spec/attn_drafter.py): each job then drafts from its own `AttnChain`, which the engine feeds
+every sampled token with the features of the row that chose it (`JobDrafts.feed`).
 
 It knows nothing about requests, text or the model's arithmetic.
 """
@@ -33,7 +35,7 @@ from edge_runtime.spec.draft_planner import Acceptance, DraftPlanner
 from edge_runtime.spec.speculative import LookupThenHeads, NgramProposer
 from edge_runtime.spec.tree import TreeDrafter, TreeGain
 
-DRAFTS = ("none", "ngram", "mtp", "mtp-ngram", "mtp-tree")
+DRAFTS = ("none", "ngram", "mtp", "mtp-ngram", "mtp-tree", "mtp-attn", "mtp-attn-ngram")
 MAX_DRAFTS = 7  # a chain's; a tree's: 15 (16 rows a call)
 
 
@@ -82,6 +84,7 @@ class JobDrafts:
     acceptance: Acceptance = field(default_factory=Acceptance)
     tree: TreeGain | None = None
     heads: Acceptance | None = None
+    chain: object = None  # the attention head's chain of this job (AttnChain), where that head drafts
     last_tree: bool = False  # whether its last drafts were a tree
     last_heads: bool = False  # whether its last drafts were the heads' chain (only where `heads` is set)
     steps: int = 0  # decode steps it took part in
@@ -90,6 +93,11 @@ class JobDrafts:
     accepted: int = 0
     pos_proposed: list[int] = field(default_factory=lambda: [0] * 8)
     pos_accepted: list[int] = field(default_factory=lambda: [0] * 8)
+
+    @property
+    def feed(self):
+        """Where the engine sends each sampled token with its row's features (the attention head's chain), or None."""
+        return self.chain.feed if self.chain is not None else None
 
     def observe(self, proposed: int, accepted: int, depth: int | None = None) -> None:
         """`accepted` of `proposed` drafts; `depth`: how deep they went (a chain: `proposed`)."""
@@ -117,12 +125,18 @@ class JobDrafts:
 class StepDrafter:
     def __init__(self, method: str, max_rows: int, mtp=None, fixed_k: int | None = None):
         """method: "ngram", "mtp", "mtp-ngram" (prompt lookup where the last two tokens or more match, else the
-        heads' chain) or "mtp-tree" (with `mtp`, an MtpDrafter, for all but "ngram"); fixed_k: always that many
+        heads' chain), "mtp-tree" (with `mtp`, an MtpDrafter, for all but "ngram") or "mtp-attn" (`mtp`: an
+        AttnDrafter; "mtp-attn-ngram": "mtp-ngram" with it); fixed_k: always that many
         drafts when the proposer has them (for measuring acceptance at a given k), else the planner decides."""
         if method not in DRAFTS[1:]:
             raise ValueError(f"the batch engine drafts with {' or '.join(DRAFTS)}, not {method!r}")
         if method != "ngram" and mtp is None:
             raise ValueError("MTP drafting needs the MTP heads")
+        attn = method.startswith("mtp-attn")
+        if mtp is not None and attn != hasattr(mtp, "new_chain"):
+            raise ValueError(f"{method} drafts with " + ("the attention head (AttnDrafter)" if attn else
+                                                          "the MLP heads (MtpDrafter)"))
+        self.lookup = method in ("mtp-ngram", "mtp-attn-ngram")  # prompt lookup first, the heads' chain elsewhere
         self.method, self.mtp, self.fixed_k = method, mtp, fixed_k
         self.tree = TreeDrafter(mtp, size=min(15, max_rows - 1)) if method == "mtp-tree" else None
         most = self.tree.size if self.tree else MAX_DRAFTS
@@ -137,12 +151,13 @@ class StepDrafter:
         self.head_seconds = 0.0  # a head step (one level of a tree, one draft of a chain), measured
 
     def new_job(self) -> JobDrafts:
-        if self.method == "mtp-ngram":
+        attn = self.mtp.new_chain() if hasattr(self.mtp, "new_chain") else None  # the attention head's
+        if self.lookup:
             return JobDrafts(NgramProposer(min_n=LookupThenHeads.LOOKUP_MIN_N), Acceptance(alpha=self.prior.alpha),
-                             heads=Acceptance(alpha=self.heads_prior.alpha))
-        chain = None if self.method == "mtp-tree" else self.mtp if self.method == "mtp" else NgramProposer()
+                             heads=Acceptance(alpha=self.heads_prior.alpha), chain=attn)
+        chain = None if self.method == "mtp-tree" else NgramProposer() if self.method == "ngram" else attn or self.mtp
         tree = TreeGain(self.tree.size, prior=self.tree_prior) if self.tree else None
-        return JobDrafts(chain, Acceptance(alpha=self.prior.alpha), tree)
+        return JobDrafts(chain, Acceptance(alpha=self.prior.alpha), tree, chain=attn)
 
     def observe(self, drafts: JobDrafts, proposed: int, accepted: int, depth: int | None = None) -> None:
         """One decode step of a job: `accepted` of its `proposed` drafts were taken."""
@@ -177,7 +192,7 @@ class StepDrafter:
                 d.tree.level_seconds = self.head_seconds
                 cands.append((chunk, job, room, d.tree))
                 limits.append(self.tree.size)
-            elif self.method in ("mtp", "mtp-ngram") and job.hidden is not None:  # a head step per draft
+            elif self.method not in ("ngram", "mtp-tree") and job.hidden is not None:  # a head step per draft
                 est = d.heads or d.acceptance
                 est.step_seconds = self.head_seconds
                 cands.append((chunk, job, room, est))
@@ -203,7 +218,8 @@ class StepDrafter:
             elif isinstance(offer, list):
                 drafts, parents = offer[:k], None
             else:
-                drafts, parents = self.mtp.propose(chunk.seq.token_ids, k, job.hidden)[:k], None
+                heads = job.drafts.chain or self.mtp
+                drafts, parents = heads.propose(chunk.seq.token_ids, k, job.hidden)[:k], None
                 self._head_time(time.perf_counter() - t0, k)
             if drafts and scheduler.add_drafts(chunk, drafts, parents):
                 budget -= len(drafts)

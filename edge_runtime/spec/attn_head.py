@@ -26,7 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edge_runtime.spec.mtp import _rms
+from edge_runtime.spec.mtp import _rms, read_heads, write_heads
+
+FORMAT = "edge-runtime-attn/1"  # safetensors as the MLP heads' (spec/mtp.py), with the layer's shape
 
 
 def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
@@ -65,6 +67,19 @@ class AttnDraftHead(nn.Module):
             nn.init.normal_(w.weight, std=0.02)
         nn.init.zeros_(self.w_o.weight)  # starts as MtpHead's pure fusion of the inputs
         nn.init.zeros_(self.w_down.weight)
+
+    def save(self, path: str, base_fingerprint: str, extra: dict | None = None) -> None:
+        write_heads(self, path, {"format": FORMAT, "dim": str(self.dim), "heads": str(self.heads),
+                                 "head_dim": str(self.head_dim), "hidden": str(self.hidden), "eps": repr(self.eps),
+                                 "theta": repr(self.theta), "depth": str(self.depth)}, base_fingerprint, extra)
+
+    @classmethod
+    def load(cls, path: str) -> tuple["AttnDraftHead", dict]:
+        tensors, meta, taps = read_heads(path, FORMAT)
+        head = cls(int(meta["dim"]), int(meta["heads"]), int(meta["head_dim"]), int(meta["hidden"]), tensors["vocab"],
+                   float(meta["eps"]), float(meta["theta"]), int(meta["depth"]), taps)
+        head.load_state_dict(tensors)
+        return head.eval(), meta
 
     def _fuse(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         if h.shape[-1] != self.dim:  # the model's features [..., (1 + taps) * dim]: fused first

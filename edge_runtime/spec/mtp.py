@@ -84,32 +84,44 @@ class MtpHead(nn.Module):
         return _rms(z, self.eps) * self.g_o
 
     def save(self, path: str, base_fingerprint: str, extra: dict | None = None) -> None:
-        from safetensors.torch import save_file
-
-        tensors = {k: v.detach().to(torch.float16 if v.is_floating_point() else v.dtype).contiguous()
-                   for k, v in self.state_dict().items()}
-        meta = {"format": FORMAT, "dim": str(self.dim), "hidden": str(self.hidden), "eps": repr(self.eps),
-                "depth": str(self.depth), "base_fingerprint": base_fingerprint}
-        if self.taps:
-            meta["taps"] = ",".join(map(str, self.taps))
-        if extra:
-            meta["training"] = json.dumps(extra, sort_keys=True)
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        save_file(tensors, path, metadata=meta)
+        write_heads(self, path, {"format": FORMAT, "dim": str(self.dim), "hidden": str(self.hidden),
+                                 "eps": repr(self.eps), "depth": str(self.depth)}, base_fingerprint, extra)
 
     @classmethod
     def load(cls, path: str) -> tuple["MtpHead", dict]:
-        from safetensors import safe_open
-
-        with safe_open(path, framework="pt") as f:
-            meta = f.metadata() or {}
-            if meta.get("format") != FORMAT:
-                raise ValueError(f"{path} is not an MTP head file ({FORMAT})")
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-        taps = tuple(int(t) for t in meta["taps"].split(",")) if meta.get("taps") else ()
+        tensors, meta, taps = read_heads(path, FORMAT)
         head = cls(int(meta["dim"]), int(meta["hidden"]), tensors["vocab"], float(meta["eps"]), int(meta["depth"]), taps)
-        head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()})
+        head.load_state_dict(tensors)
         return head.eval(), meta
+
+
+def write_heads(module: nn.Module, path: str, meta: dict, base_fingerprint: str, extra: dict | None) -> None:
+    """A head module as safetensors (fp16 weights): its shape in `meta` (with "format"), its taps, the base
+    model's fingerprint and the training settings and figures (`extra`, JSON)."""
+    from safetensors.torch import save_file
+
+    tensors = {k: v.detach().to(torch.float16 if v.is_floating_point() else v.dtype).contiguous()
+               for k, v in module.state_dict().items()}
+    meta = {**meta, "base_fingerprint": base_fingerprint}
+    if module.taps:
+        meta["taps"] = ",".join(map(str, module.taps))
+    if extra:
+        meta["training"] = json.dumps(extra, sort_keys=True)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    save_file(tensors, path, metadata=meta)
+
+
+def read_heads(path: str, fmt: str) -> tuple[dict, dict, tuple[int, ...]]:
+    """(tensors in fp32, metadata, taps) of a head file of format `fmt`."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata() or {}
+        if meta.get("format") != fmt:
+            raise ValueError(f"{path} is not a head file of format {fmt} (it says {meta.get('format')!r})")
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    taps = tuple(int(t) for t in meta["taps"].split(",")) if meta.get("taps") else ()
+    return {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}, meta, taps
 
 
 def base_fingerprint(backend) -> str:
@@ -117,16 +129,51 @@ def base_fingerprint(backend) -> str:
     return f"{backend.tokenizer_fingerprint}:{cfg.dim}x{cfg.num_layers}:{cfg.vocab_size}"
 
 
-def find_heads(backend) -> str | None:
-    """The shipped head file made for this backend's model, if any."""
+def find_heads(backend, fmt: str = FORMAT) -> str | None:
+    """The shipped head file of format `fmt` (the MLP heads'; spec/attn_head.py's FORMAT: the attention
+    head's) made for this backend's model, if any."""
     want = base_fingerprint(backend)
     from safetensors import safe_open
 
     for path in sorted(glob.glob(os.path.join(HEADS_DIR, "*.safetensors"))):
         with safe_open(path, framework="pt") as f:
-            if (f.metadata() or {}).get("base_fingerprint") == want:
+            meta = f.metadata() or {}
+            if meta.get("base_fingerprint") == want and meta.get("format") == fmt:
                 return path
     return None
+
+
+class Q8Linear:
+    """`x @ w.T` for drafting: w [out, in] as Q8_0 blocks on the kernels of kernels/ (8-bit activations where
+    cpu_qgemm has its packed layout, as `Q8Head`; else cpu_gemv's fp32 GEMVs, 8 rows a call), one thread;
+    fp32 torch where the kernels do not run or `fast` is off. x [m, in] fp32 -> [m, out] fp32. `blocks`,
+    `kind` (cpu_decode.c's code: + 16 packed) and `integer` (its arith) for C steps; `blocks` None on fp32."""
+
+    def __init__(self, w: torch.Tensor, fast: bool = True):
+        self.w = w.detach().float().contiguous()
+        self.out_f, in_f = self.w.shape
+        self.blocks, self.integer, self.kind = None, False, 8  # 8: q8_0
+        if fast:
+            from kernels import cpu_gemv, cpu_qgemm
+
+            if cpu_gemv.available() and in_f % 32 == 0:
+                import gguf
+
+                q = gguf.quants.quantize(self.w.numpy(), gguf.GGMLQuantizationType.Q8_0)
+                self.blocks = torch.from_numpy(np.ascontiguousarray(q))
+                self.integer = cpu_qgemm.available() and cpu_qgemm.packed_supported("q8_0")
+                if self.integer:
+                    self.blocks, self.kind = cpu_qgemm.repack("q8_0", self.blocks, self.out_f, in_f), 8 + 16
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.blocks is None:
+            return x @ self.w.T
+        from kernels import cpu_gemv, cpu_qgemm
+
+        if self.integer:
+            return cpu_qgemm.qgemm_packed("q8_0", self.blocks, x, self.out_f, num_threads=1)
+        return torch.cat([cpu_gemv.gemv("q8_0", self.blocks, x[i:i + 8], self.out_f, num_threads=1)
+                          for i in range(0, x.shape[0], 8)])
 
 
 class Q8Head:

@@ -232,7 +232,7 @@ class LookupThenHeads:
         return self.lookup.propose(history, k) or self.mtp.propose(history, k, hidden)
 
 
-DRAFTERS = ("auto", "none", "ngram", "mtp", "mtp-ngram", "mtp-tree")
+DRAFTERS = ("auto", "none", "ngram", "mtp", "mtp-ngram", "mtp-tree", "mtp-attn", "mtp-attn-ngram")
 
 
 def exact_verify(runner) -> bool:
@@ -261,6 +261,8 @@ def make_drafter(name: str, backend, allow_inexact: bool = False):
     name = resolve_draft(name, backend)
     if name == "none":
         return None
+    if name.startswith("mtp-attn"):  # its per-answer cache is fed by the engine's steps (engine/drafting.py)
+        raise InvalidRequestError(f"--draft {name} drafts in the native backend's batch engine only")
     if name.startswith("mtp") and getattr(backend, "model", None) is None:
         raise InvalidRequestError(f"MTP drafting needs the native backend's hidden states, not {backend.name}")
     if name == "mtp-tree" and (getattr(backend.model, "fused", None) is None or not hasattr(backend.runner,

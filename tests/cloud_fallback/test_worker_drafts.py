@@ -34,9 +34,10 @@ def test_a_worker_with_ngram_drafts_answers_as_without(worker, solo):
         assert joined(together[i])[:2] == solo[i][:2]
 
 
-@pytest.mark.parametrize("method", ["mtp", "mtp-ngram", "mtp-tree"])
+@pytest.mark.parametrize("method", ["mtp", "mtp-ngram", "mtp-tree", "mtp-attn"])
 def test_a_worker_with_mtp_drafts_answers_as_without(solo, method):
-    """--draft mtp (chains) and mtp-tree (draft trees): the worker drafts with the MTP heads shipped for its
+    """--draft mtp (chains), mtp-tree (draft trees) and mtp-attn (the attention head's chains): the worker
+    drafts with the heads shipped for its
     model (drafts verified, counted on /metrics), and its answers, three at once, are token for token the
     plain worker's."""
     w = WorkerProcess("--max-prompt-tokens", "300", "--max-tokens", "400", "--draft", method)

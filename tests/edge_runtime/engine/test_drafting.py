@@ -30,6 +30,18 @@ def engine(model_path):
     return load_engine(model_path, n_ctx=1024, config=SchedulerConfig(4, 512, 256))
 
 
+def shipped(engine, kind: str = "mlp"):
+    """The drafter of the heads shipped for the engine's model: the MLP heads' or ("attention") the attention
+    head's, found by the model's fingerprint as the backends find them."""
+    import types
+
+    from edge_runtime.spec.attn_drafter import AttnDrafter
+    from edge_runtime.spec.mtp import MtpDrafter
+
+    model = types.SimpleNamespace(name="test", model=engine.model, tokenizer_fingerprint=engine.tokenizer.fingerprint)
+    return (AttnDrafter if kind == "attention" else MtpDrafter).for_backend(model)
+
+
 def run(engine, draft: str, requests, after=None, steps_log=None, **draft_args):
     """Submit `requests` (one each `after[i]` engine steps in, else at once), step until all finish; token
     ids. `steps_log` collects, per step, how many chunks carried drafts."""
@@ -79,11 +91,7 @@ def test_several_sequences_draft_in_one_step_and_every_answer_equals_its_solo_pl
 
 def test_draft_trees_of_several_sequences_in_one_step_give_their_solo_plain_answers(engine):
     """Trees (tree attention rows) of up to four sequences in one batched C call, next to plain rows."""
-    import glob
-
-    from edge_runtime.spec.mtp import HEADS_DIR, MtpDrafter, MtpHead
-
-    mtp = MtpDrafter(MtpHead.load(sorted(glob.glob(f"{HEADS_DIR}/*.safetensors"))[0])[0], engine.model.embedding)
+    mtp = shipped(engine)
     requests = GROUNDED + [OTHER]
     alone = [run(engine, "none", [r])[0] for r in requests]
     log: list[int] = []
@@ -162,3 +170,43 @@ def test_preemption_and_resume_with_drafts_give_the_solo_plain_answers(model_pat
             tiny.unpark("t1")
     assert [out[i] for i in range(len(requests))] == alone
     assert tiny.scheduler.num_preemptions > 0 and tiny.num_verifications > 0
+
+
+def test_attention_head_chains_of_several_sequences_give_their_solo_answers(engine):
+    """--draft mtp-attn: each job drafts from its own chain of the attention head, fed every sampled token with
+    its row (and nothing else: a rejected draft never enters it); greedy answers and a seeded sample are
+    plain decoding's, several sequences drafting in one step."""
+    drafter = shipped(engine, "attention")
+    chains = []
+    new_chain = drafter.new_chain
+    drafter.new_chain = lambda: chains.append(new_chain()) or chains[-1]
+    sample = GenerationRequest(messages=OTHER.messages, params=SamplingParams(max_tokens=40, temperature=0.8,
+                                                                               top_k=40, seed=5))
+    requests = GROUNDED + [OTHER, sample]
+    alone = [run(engine, "none", [r])[0] for r in requests]
+    log: list[int] = []
+    before = engine.draft_stats()
+    together = run(engine, "mtp-attn", requests, after=[0, 0, 3, 7, 7], steps_log=log, mtp=drafter, fixed_k=3)
+    after = engine.draft_stats()
+    assert together == alone
+    proposed, accepted = (after[key] - before[key] for key in ("proposed", "accepted"))
+    assert max(log) >= 2 and 0 < accepted < proposed
+    # every answer token once, and the end-of-generation token that ended an answer short of its limit
+    fed = [len(a) + (len(a) < r.params.max_tokens) for a, r in zip(alone, requests)]
+    assert [c.n + len(c.pending) for c in chains] == fed
+    # prompt lookup where the last two tokens match, else the attention head's chain: the same answers
+    chains.clear()
+    assert run(engine, "mtp-attn-ngram", requests, after=[0, 0, 3, 7, 7], mtp=drafter) == alone
+    assert [c.n + len(c.pending) for c in chains] == fed
+    assert engine.drafter.prior.alpha != 0.5 and engine.drafter.heads_prior.alpha != 0.5  # both sources drafted
+    assert engine.scheduler.stats()["num_running"] == 0 and not engine.jobs
+    engine.blocks.check_invariants()
+
+
+def test_each_draft_method_refuses_the_other_kind_of_head(engine):
+    mlp, attn = shipped(engine), shipped(engine, "attention")
+    with pytest.raises(ValueError, match="mtp-attn drafts with the attention head"):
+        engine.set_draft("mtp-attn", mtp=mlp)
+    with pytest.raises(ValueError, match="mtp-tree drafts with the MLP heads"):
+        engine.set_draft("mtp-tree", mtp=attn)
+    engine.set_draft("none")

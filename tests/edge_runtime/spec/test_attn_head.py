@@ -5,6 +5,7 @@ import pytest
 
 from edge_cli.train_attn import batch_of, chain_accuracy, piece_batch, train_attention, windows
 from edge_runtime.spec.attn_head import AttnDraftHead
+from edge_runtime.spec.mtp import base_fingerprint
 
 
 def _head(steps=4, taps=()) -> AttnDraftHead:
@@ -137,8 +138,7 @@ def test_train_mtp_arch_attention_measures_both_heads_on_mt_bench(tmp_path, nati
 
     from edge_cli.main import main
 
-    out, cache = tmp_path / "figures.json", tmp_path / "mt.pt"
-    assert main(["train-mtp", "--arch", "attention", "--out", "x"]) == 2  # no head file to write: refused
+    out, cache, heads = tmp_path / "figures.json", tmp_path / "mt.pt", tmp_path / "attn.safetensors"
     assert main(["train-mtp", "--curve", "2"]) == 2  # a curve with nowhere to write its figures: refused
     assert main(["train-mtp", "--answers-per-step", "2"]) == 2  # the MLP heads batch positions: refused
     assert main(["train-mtp", "--arch", "attention", "--answers-per-step", "0"]) == 2
@@ -148,8 +148,13 @@ def test_train_mtp_arch_attention_measures_both_heads_on_mt_bench(tmp_path, nati
     rc = main(["train-mtp", "--arch", "attention", "--prompts", "4", "--max-tokens", "12", "--epochs", "1",
                "--window", "4",
                "--hidden", "64", "--draft-vocab", "256", "--data", str(tmp_path / "answers.pt"), "--json", str(out),
-               "--mt-bench", "2", "--mt-bench-cache", str(cache), "--curve", "2"])
+               "--mt-bench", "2", "--mt-bench-cache", str(cache), "--curve", "2", "--out", str(heads)])
     d = json.loads(out.read_text())
+    head, meta = AttnDraftHead.load(str(heads))  # the head of the last point, with its report
+    assert meta["base_fingerprint"] == base_fingerprint(native_backend) and head.hidden == 64
+    assert json.loads(meta["training"])["chain_accuracy"] == d["attention"]["chain_accuracy"]
+    assert main(["train-mtp", "--arch", "attention", "--prompts", "4", "--max-tokens", "12", "--epochs", "1",
+                 "--data", str(tmp_path / "answers.pt"), "--train-prompts", "5"]) == 2  # more than the data has
     assert rc == 0 and cache.exists() and d["mt_bench_answers"] == 2 and d["train_answer_tokens"] > 0
     assert d["attention"]["window"] == 4 and d["attention"]["batch"] == 64 and d["attention"]["loss"] == "soft"
     assert [c["prompts"] for c in d["curve"]] == [2, 4] and d["curve"][-1]["chain_accuracy"] == \

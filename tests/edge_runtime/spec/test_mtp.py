@@ -75,7 +75,7 @@ def test_a_file_that_is_not_an_mtp_head_is_refused(tmp_path):
     from safetensors.torch import save_file
 
     save_file({"x": torch.zeros(2)}, str(tmp_path / "x.safetensors"))
-    with pytest.raises(ValueError, match="not an MTP head file"):
+    with pytest.raises(ValueError, match="is not a head file of format edge-runtime-mtp/1"):
         MtpHead.load(str(tmp_path / "x.safetensors"))
 
 

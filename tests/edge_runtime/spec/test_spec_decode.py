@@ -80,6 +80,17 @@ def test_mtp_tree_greedy_output_is_identical_to_plain_decoding(native_backend, p
     check_lossless(native_backend, "mtp-tree", PROMPTS if size else PROMPTS[:4], 128, plain_answers, k=size)
 
 
+@pytest.mark.parametrize("k", [3, None])
+def test_mtp_attn_greedy_output_is_identical_to_plain_decoding(native_backend, plain_answers, k):
+    """The attention head's chains (each answer's own key/value cache of the head), at a fixed k and at the
+    adaptive length."""
+    from edge_runtime.spec.attn_head import FORMAT
+    from edge_runtime.spec.mtp import find_heads
+
+    assert find_heads(native_backend, FORMAT), "the trained attention head ships in edge_runtime/data/mtp"
+    check_lossless(native_backend, "mtp-attn", PROMPTS if k else PROMPTS[:4], 128, plain_answers, k=k)
+
+
 def test_drafting_on_llama_cpp_is_refused_because_its_batches_round_differently(llama_backend):
     from edge_runtime.errors import InvalidRequestError
 
@@ -89,6 +100,8 @@ def test_drafting_on_llama_cpp_is_refused_because_its_batches_round_differently(
         llama_backend.set_draft("ngram")
     with pytest.raises(InvalidRequestError, match="MTP drafting needs the native backend"):
         llama_backend.set_draft("mtp")
+    with pytest.raises(InvalidRequestError, match="mtp-attn drafts in the native backend's batch engine only"):
+        llama_backend.set_draft("mtp-attn")
     assert llama_backend.drafter is None
 
 
@@ -233,7 +246,7 @@ def test_seeded_sampling_gives_the_same_answer_with_and_without_drafting(native_
     """Deterministic drafts are checked by drawing from p and comparing (the one-hot case of the rejection
     test), so the random stream is untouched: a seed gives the same answer whatever the drafts."""
     outs = {}
-    for draft in ("none", "ngram", "mtp", "mtp-ngram", "mtp-tree"):
+    for draft in ("none", "ngram", "mtp", "mtp-ngram", "mtp-tree", "mtp-attn"):
         native_backend.runner.reset()
         native_backend.set_draft(draft, k=3)  # a fixed length: the adaptive one follows wall-clock costs
         try:
@@ -243,8 +256,8 @@ def test_seeded_sampling_gives_the_same_answer_with_and_without_drafting(native_
         finally:
             native_backend.set_draft("none")
     assert outs["ngram"].token_ids == outs["none"].token_ids == outs["mtp"].token_ids == outs["mtp-tree"].token_ids
-    assert outs["mtp-ngram"].token_ids == outs["none"].token_ids
-    assert outs["mtp-ngram"].timings["draft"]["verify_steps"] > 0
+    assert outs["mtp-ngram"].token_ids == outs["none"].token_ids == outs["mtp-attn"].token_ids
+    assert outs["mtp-ngram"].timings["draft"]["verify_steps"] > 0 and outs["mtp-attn"].timings["draft"]["accepted"] > 0
     assert outs["mtp-tree"].timings["draft"]["verify_steps"] > 0
     assert outs["ngram"].timings["draft"]["accepted"] > 0
 

@@ -1,0 +1,206 @@
+"""Drafting with the attention head (spec/attn_head.py) in the batch engine: `--draft mtp-attn`.
+
+The head attends over the answer so far, so each answer keeps the head's own small key/value cache: one
+key and value per answer token (9 heads x 64 on the default model, 4.6 KB a token in fp32), at the
+token's position in the answer, computed from the model's features at the row that chose the token
+and the token's embedding, exactly the keys `AttnDraftHead.chain` trains with. The engine feeds every
+sampled token with its row (`AttnChain.feed`: the decode token's and each accepted draft's, so a
+verification that accepts three drafts adds four keys); a rejected draft never enters the cache. A chain
+then starts at the last token: its query attends over the cache, step s >= 1 feeds the previous step's
+state and drafted token and attends over the cache plus the chain's own earlier steps, as in training.
+
+The matrices run as Q8_0 blocks on the kernels of kernels/ (`mtp.Q8Linear`: 8-bit activations where
+cpu_qgemm has its packed layout, as `Q8Head`), the attention itself in fp32 torch. Drafts only propose:
+verification with the full model decides every token, so this cannot change an answer, only how many
+drafts are accepted.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+
+import torch
+import torch.nn.functional as F
+
+from edge_runtime.spec.attn_head import FORMAT, AttnDraftHead
+from edge_runtime.spec.mtp import Q8Linear, _rms, find_heads
+
+
+class AttnChain:
+    """One answer's drafting state: the head's keys and values at its positions so far, and the rows fed
+    since the last chain (absorbed when the next one starts)."""
+
+    def __init__(self, drafter: "AttnDrafter"):
+        d = drafter
+        self.drafter, self.n, self.pending = d, 0, []
+        self.k = torch.empty(d.heads, 64, d.head_dim)
+        self.v = torch.empty(d.heads, 64, d.head_dim)
+        self.z = self.q = None  # the last position's fused input and query: where the next chain starts (torch)
+        self.zlast = torch.zeros(d.dim)  # the same fused input (the C step's)
+
+    def feed(self, hidden: torch.Tensor, token: int) -> None:
+        """`token` was sampled from the logits of the row whose features are `hidden`."""
+        self.pending.append((hidden, token))
+
+    def propose(self, history: list[int], k: int, hidden=None) -> list[int]:
+        """Up to k drafts after history[-1] (the drafter interface; the rows came through `feed`)."""
+        if not self.pending and self.n == 0:
+            return []
+        return self.drafter.draft(self, min(k, self.drafter.max_depth))
+
+    def reserve(self, size: int) -> None:
+        if size > self.k.shape[1]:  # grow by doubling
+            size = max(2 * self.k.shape[1], size)
+            self.k = torch.cat([self.k[:, :self.n], self.k.new_empty(self.k.shape[0], size - self.n, self.k.shape[2])], 1)
+            self.v = torch.cat([self.v[:, :self.n], self.v.new_empty(self.v.shape[0], size - self.n, self.v.shape[2])], 1)
+
+    def store(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keys and values [heads, m, head_dim] of the next m answer positions."""
+        m = k.shape[1]
+        self.reserve(self.n + m)
+        self.k[:, self.n:self.n + m], self.v[:, self.n:self.n + m] = k, v
+        self.n += m
+
+
+class AttnDrafter:
+    """The attention head, loaded for drafting: shared by every answer (each has its `AttnChain`)."""
+    name = "mtp-attn"
+    needs_hidden = True
+
+    def __init__(self, head: AttnDraftHead, embed, fast: bool = True, c_step: bool = True):
+        self.head, self.embed = head, embed  # embed: ids [N] -> [N, dim] fp32 (the base model's, tied with its head)
+        self.heads, self.head_dim, self.dim, self.eps = head.heads, head.head_dim, head.dim, head.eps
+        self.taps, self.max_depth = head.taps, head.depth
+        with torch.inference_mode():
+            self.head_rows = embed(head.vocab).float().reshape(len(head.vocab), head.dim).contiguous()
+        self.vocab = head.vocab.tolist()
+        self.row_of = {t: i for i, t in enumerate(self.vocab)}
+        g = lambda p: p.detach().float().clone()  # noqa: E731
+        self.g_h, self.g_e, self.g_a, self.g_m, self.g_o = (g(p) for p in (head.g_h, head.g_e, head.g_a, head.g_m,
+                                                                          head.g_o))
+        self.g_f = g(head.g_f) if self.taps else None
+        lin = lambda w: Q8Linear(w, fast)  # noqa: E731
+        self.w_f = lin(head.w_f.weight) if self.taps else None
+        self.w_in, self.w_qkv, self.w_o = lin(head.w_in.weight), lin(head.w_qkv.weight), lin(head.w_o.weight)
+        self.w_gate_up, self.w_down, self.rows = lin(head.w_gate_up.weight), lin(head.w_down.weight), lin(self.head_rows)
+        self.freqs = head.theta ** (-torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim)
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+        # the whole draft in one C call (kernels/cpu_decode.c: attn_head_chain) where the kernels run
+        mats = (self.w_f or self.w_in, self.w_in, self.w_qkv, self.w_o, self.w_gate_up, self.w_down, self.rows)
+        self.lib = None
+        if c_step and all(m.blocks is not None for m in mats):
+            from kernels import cpu_gemv
+
+            self.lib = cpu_gemv.library()
+            gains = tuple(x.contiguous() for x in (self.g_f if self.taps else self.g_h, self.g_h, self.g_e, self.g_a,
+                                                   self.g_m, self.g_o))
+            self._keep = tuple(m.blocks for m in mats) + gains
+            self._w = (ctypes.c_void_p * 7)(*(m.blocks.data_ptr() for m in mats))
+            self._g = (ctypes.c_void_p * 6)(*(x.data_ptr() for x in gains))
+            self._dims = [self.dim, self.heads, self.head_dim, head.hidden, len(self.vocab), 1 + len(self.taps)]
+            self._arith = [self.w_in.kind, int(self.w_in.integer)]
+
+    @classmethod
+    def for_backend(cls, backend) -> "AttnDrafter":
+        from edge_runtime.errors import InvalidRequestError
+
+        if getattr(backend, "model", None) is None:
+            raise InvalidRequestError(f"MTP drafting needs the native backend's hidden states, not {backend.name}")
+        path = find_heads(backend, FORMAT)
+        if path is None:
+            raise InvalidRequestError("no attention draft head ships for this model: train one with `edge-runtime "
+                                      "train-mtp --arch attention`")
+        head, _ = AttnDraftHead.load(path)
+        backend.model.taps = head.taps  # the model reports the layers the head reads with its hidden rows
+        return cls(head, backend.model.embedding)
+
+    def new_chain(self) -> AttnChain:
+        return AttnChain(self)
+
+    def _emb(self, tokens: list[int]) -> torch.Tensor:
+        rows = [self.row_of.get(t) for t in tokens]
+        if None not in rows:
+            return self.head_rows[rows]
+        return self.embed(torch.tensor(tokens)).float().reshape(len(tokens), self.dim)
+
+    def _fuse(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        if h.shape[-1] != self.dim:  # the model's features: the final state and the taps, fused first
+            parts = h.reshape(h.shape[0], -1, self.dim)
+            h = self.w_f((_rms(parts, self.eps) * self.g_f).flatten(1))
+        return self.w_in(torch.cat([_rms(h, self.eps) * self.g_h, _rms(e, self.eps) * self.g_e], dim=-1))
+
+    def _qkv(self, z: torch.Tensor, start: int):
+        """z [m, dim] at positions start.. -> q, k, v [heads, m, head_dim], q and k rotated (attn_head.rope)."""
+        m = z.shape[0]
+        q, k, v = self.w_qkv(_rms(z, self.eps) * self.g_a).view(m, 3, self.heads, self.head_dim).unbind(1)
+        ang = torch.arange(start, start + m, dtype=torch.float32)[:, None] * self.freqs  # [m, half]
+        cos, sin = torch.cos(ang)[None], torch.sin(ang)[None]
+
+        def rot(x):
+            x = x.transpose(0, 1)
+            a, b = x[..., :self.head_dim // 2], x[..., self.head_dim // 2:]
+            return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
+        return rot(q), rot(k), v.transpose(0, 1)
+
+    def _out(self, z: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """z [1, dim], attn [heads, 1, head_dim] -> the step's output state [1, dim]."""
+        z = z + self.w_o(attn.transpose(0, 1).reshape(1, -1))
+        gate, up = self.w_gate_up(_rms(z, self.eps) * self.g_m).chunk(2, dim=-1)
+        z = z + self.w_down(F.silu(gate) * up)
+        return _rms(z, self.eps) * self.g_o
+
+    def draft(self, chain: AttnChain, k: int) -> list[int]:
+        """The rows fed since the last chain into its cache, then k drafts from the last position."""
+        if self.lib is None:
+            self.absorb(chain)
+            return self.chain(chain, k)
+        while len(chain.pending) > 8:  # (a run of steps without drafts) eight rows a call
+            self._c_step(chain, chain.pending[:8], 0)
+            chain.pending = chain.pending[8:]
+        drafts = self._c_step(chain, chain.pending, k)
+        chain.pending = []
+        return drafts
+
+    def _c_step(self, chain: AttnChain, rows: list, k: int) -> list[int]:
+        from kernels import cpu_gemv
+
+        m = len(rows)
+        h = torch.stack([r.float().reshape(-1) for r, _ in rows]) if m else torch.zeros(1)
+        e = self._emb([t for _, t in rows]).contiguous() if m else torch.zeros(1)
+        chain.reserve(chain.n + m + k)
+        dims = (ctypes.c_int * 13)(*self._dims, cpu_gemv.threads(), *self._arith, chain.n, m, k, chain.k.shape[1])
+        drafts = (ctypes.c_int * max(1, k))()
+        rc = self.lib.attn_head_chain(dims, self.eps, self.scale, self._w, self._g, h.data_ptr(), e.data_ptr(),
+                                      chain.k.data_ptr(), chain.v.data_ptr(), self.freqs.data_ptr(),
+                                      self.head_rows.data_ptr(), chain.zlast.data_ptr(), drafts)
+        if rc:
+            raise ValueError(f"attn_head_chain rejected its arguments (n={chain.n}, m={m}, k={k}): rc={rc}")
+        chain.n += m
+        return [self.vocab[i] for i in drafts[:k]]
+
+    @torch.inference_mode()
+    def absorb(self, chain: AttnChain) -> None:
+        """The rows fed since the last chain into its cache; the last one is where the next chain starts."""
+        if not chain.pending:
+            return
+        h = torch.stack([r.float().reshape(-1) for r, _ in chain.pending])
+        z = self._fuse(h, self._emb([t for _, t in chain.pending]))
+        q, k, v = self._qkv(z, chain.n)
+        chain.store(k, v)
+        chain.z, chain.q, chain.pending = z[-1:], q[:, -1:], []
+
+    @torch.inference_mode()
+    def chain(self, chain: AttnChain, k: int) -> list[int]:
+        """k drafts from the chain's last position (`AttnDraftHead.chain` for that start, one step at a time)."""
+        n, z, q = chain.n, chain.z, chain.q
+        chain.reserve(n + k)  # the chain's own keys go after the answer's, and are overwritten by the next
+        out = []
+        for s in range(k):
+            if s:  # the previous step's state and its draft, one position on
+                z = self._fuse(state, self._emb(out[-1:]))
+                q, chain.k[:, n + s - 1:n + s], chain.v[:, n + s - 1:n + s] = self._qkv(z, n - 1 + s)
+            keys, values = chain.k[:, :n + s], chain.v[:, :n + s]
+            p = torch.softmax((q @ keys.transpose(1, 2)) * self.scale, dim=-1)  # [heads, 1, keys]
+            state = self._out(z, p @ values)
+            out.append(self.vocab[int(self.rows(state)[0].numpy().argmax())])
+        return out

@@ -1,0 +1,87 @@
+"""The attention head's drafter (spec/attn_drafter.py): its per-answer cache and step-by-step chains give the
+drafts `AttnDraftHead.chain` computes for every start at once (what it was trained and measured with), fed
+row by row as the engine feeds it; the Q8 path on the shipped head drafts what the offline replay measured."""
+import pytest
+import torch
+
+from edge_runtime.spec.attn_drafter import AttnDrafter
+from edge_runtime.spec.attn_head import AttnDraftHead
+
+DIM, HEADS, HEAD_DIM, VOCAB = 64, 4, 16, 100
+
+
+def random_head(seed=0, taps=(1, 2)):
+    torch.manual_seed(seed)
+    head = AttnDraftHead(DIM, HEADS, HEAD_DIM, 96, torch.arange(0, VOCAB, 2), taps=taps)
+    with torch.no_grad():  # not the identity-like start: every part of the layer matters
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    table = torch.randn(VOCAB, DIM)
+    return head.eval(), table
+
+
+def offline_drafts(head, table, feats, tokens, t, k):
+    """`chain` started at t over the answer's first t + 1 rows, its later steps fed the drafts it makes."""
+    drafts = []
+    with torch.no_grad():
+        for s in range(k):
+            emb = table[torch.tensor(tokens[:t + 1] + drafts)][None]
+            emb = torch.cat([emb, torch.zeros(1, k - 1 - len(drafts), DIM)], 1)
+            outs = head.chain(feats[None, :t + 1], emb, torch.ones(1, t + 1, dtype=torch.bool), s + 1)
+            drafts.append(int(head.vocab[(outs[s][0, t] @ table[head.vocab].T).argmax()]))
+    return drafts
+
+
+def test_chains_fed_row_by_row_draft_what_the_trained_layer_computes():
+    head, table = random_head()
+    drafter = AttnDrafter(head, lambda ids: table[ids], fast=False)
+    T = 24
+    feats, tokens = torch.randn(T, 3 * DIM), torch.randint(0, VOCAB, (T,)).tolist()
+    chain, fed, seen = drafter.new_chain(), 0, set()
+    for t in (0, 1, 2, 5, 6, 12, 13, 14, 23):  # as verification moves on: one row or several at a time
+        for j in range(fed, t + 1):
+            chain.feed(feats[j], tokens[j])
+        fed = t + 1
+        got = chain.propose(tokens[:t + 1], 4)
+        assert got == offline_drafts(head, table, feats, tokens, t, 4), t
+        assert chain.n == t + 1  # the answer's keys only: the chain's own are scratch
+        seen.update(got)
+    assert len(seen) > 4  # the drafts depend on the context, not one constant guess
+    fresh = drafter.new_chain()  # a chain fed everything at once agrees with one fed along the way
+    for j in range(T):
+        fresh.feed(feats[j], tokens[j])
+    assert fresh.propose(tokens, 3) == chain.propose(tokens, 3)
+
+
+def test_a_chain_with_no_rows_fed_drafts_nothing():
+    head, table = random_head(taps=())
+    drafter = AttnDrafter(head, lambda ids: table[ids], fast=False)
+    assert drafter.new_chain().propose([1, 2], 3) == []
+    chain = drafter.new_chain()
+    chain.feed(torch.randn(DIM), 4)  # without taps the rows are the final states alone
+    assert len(chain.propose([4], 3)) == 3 and chain.n == 1
+
+
+def test_the_c_step_drafts_what_the_torch_path_on_the_same_q8_weights_drafts():
+    """kernels/cpu_decode.c's attn_head_chain (one call: the rows into the cache, then the chain) against the
+    torch steps on the same Q8 matrices: the same GEMVs, the norms and softmax to float rounding."""
+    head, table = random_head(seed=3)
+    c, ref = (AttnDrafter(head, lambda ids: table[ids], c_step=s) for s in (True, False))
+    if c.lib is None:
+        pytest.skip("C kernels unavailable here")
+    torch.manual_seed(1)
+    T = 40
+    feats, tokens = torch.randn(T, 3 * DIM), torch.randint(0, VOCAB, (T,)).tolist()
+    chains, fed, same, total = (c.new_chain(), ref.new_chain()), 0, 0, 0
+    for t in list(range(0, 18, 3)) + [30, 39]:  # 11 rows at once before 30: two C calls
+        for ch in chains:
+            for j in range(fed, t + 1):
+                ch.feed(feats[j], tokens[j])
+        fed = t + 1
+        a, b = (ch.propose(tokens[:t + 1], 4) for ch in chains)
+        same, total = same + sum(x == y for x, y in zip(a, b)), total + 4
+        assert chains[0].n == chains[1].n == t + 1
+        assert chains[0].propose(tokens[:t + 1], 4) == a  # nothing new fed: the same chain again
+    assert same >= 0.95 * total, (same, total)
+    with pytest.raises(ValueError, match="attn_head_chain rejected"):
+        c._c_step(chains[0], [(feats[0], 1)] * 9, 1)  # eight rows a call at most (draft() splits): refused
