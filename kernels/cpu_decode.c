@@ -683,6 +683,35 @@ void decode_kv_store_rows(void* pool, float* scales, int kind, int rotated, cons
 
 /* out[m] = the index of row m's largest value (x [M, N] fp32), as torch.argmax: the first one on ties,
  * and the first NaN if the row has one. The engine's greedy tokens for a whole step in one call. */
+/* A draft head's input for F rows, in a team (mtp_head_step, attn_head_chain): the model's features h [F, parts *
+ * dim] fused when parts > 1 (each part normed with its gain g_f, then W_f), then z = W_in [rms(h) g_h | rms(e) g_e].
+ * u [F, parts * dim], hf [F, dim], a [F, 2 dim]: scratch. Returns a GEMV's rc. */
+static int team_head_input(int F, int dim, int parts, float eps, int kind, int arith, const uint8_t* w_f,
+                           const uint8_t* w_in, const float* g_f, const float* g_h, const float* g_e, const float* h,
+                           const float* e, float* u, float* hf, float* a, float* z, void* ws, int t, team_barrier* bar) {
+    const int T = bar->n;
+    int rc = 0;
+    if (parts > 1) {
+        for (int f = t; f < F; f += T)
+            for (int p = 0; p < parts; p++)
+                decode_add_rmsnorm((float*)h + ((size_t)f * parts + p) * dim, NULL, g_f + (size_t)p * dim, dim, eps,
+                                   u + ((size_t)f * parts + p) * dim);
+        team_sync(bar);
+        rc = team_gemm(kind, arith, w_f, dim, parts * dim, u, F, hf, ws, t, bar);
+        team_sync(bar);
+        h = hf;
+    }
+    if (rc) return rc;
+    for (int f = t; f < F; f += T) {
+        decode_add_rmsnorm((float*)h + (size_t)f * dim, NULL, g_h, dim, eps, a + (size_t)f * 2 * dim);
+        decode_add_rmsnorm((float*)e + (size_t)f * dim, NULL, g_e, dim, eps, a + (size_t)f * 2 * dim + dim);
+    }
+    team_sync(bar);
+    rc = team_gemm(kind, arith, w_in, dim, 2 * dim, a, F, z, ws, t, bar);
+    team_sync(bar);
+    return rc;
+}
+
 /* ---- one draft step of an MTP head (edge_runtime/spec/mtp.py: MtpHead.forward, then its draft logits) ----
  * F rows (F <= 8) in one parallel region, the GEMVs of team_gemm (the arithmetic of Q8Head's per-call GEMVs)
  * and decode_add_rmsnorm's norms. dims: dim, hidden, n_vocab, parts (1 + the number of tapped layers; 1: no
@@ -720,27 +749,8 @@ int mtp_head_step(int F, const int* dims, float eps, const uint8_t** w, const fl
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         const int t = team_enter(&bar), T = bar.n;
-        int rc = 0;
-        const float* hx = h;
-        if (parts > 1) { /* the features fused: each part normed with its gain, then one projection */
-            for (int f = t; f < F; f += T)
-                for (int p = 0; p < parts; p++)
-                    decode_add_rmsnorm((float*)h + ((size_t)f * parts + p) * dim, NULL, g[0] + (size_t)p * dim, dim,
-                                       eps, u + ((size_t)f * parts + p) * dim);
-            team_sync(&bar);
-            rc = team_gemm(kind, arith, w[0], dim, parts * dim, u, F, hf, ws, t, &bar);
-            team_sync(&bar);
-            hx = hf;
-        }
-        if (!rc) {
-            for (int f = t; f < F; f += T) {
-                decode_add_rmsnorm((float*)hx + (size_t)f * dim, NULL, g[1], dim, eps, a + (size_t)f * 2 * dim);
-                decode_add_rmsnorm((float*)e + (size_t)f * dim, NULL, g[2], dim, eps, a + (size_t)f * 2 * dim + dim);
-            }
-            team_sync(&bar);
-            rc = team_gemm(kind, arith, w[1], dim, 2 * dim, a, F, z, ws, t, &bar);
-            team_sync(&bar);
-        }
+        int rc = team_head_input(F, dim, parts, eps, kind, arith, w[0], w[1], g[0], g[1], g[2], h, e, u, hf, a, z, ws, t,
+                                 &bar);
         if (!rc) {
             for (int f = t; f < F; f += T) decode_add_rmsnorm(z + (size_t)f * dim, NULL, g[3], dim, eps, u + (size_t)f * dim);
             team_sync(&bar);
@@ -836,25 +846,9 @@ int attn_head_chain(const int* dims, float eps, float scale, const uint8_t** w, 
     {
         const int t = team_enter(&bar), T = bar.n;
         int rc = 0;
-        if (m > 0) { /* the rows: fused, then their keys and values */
-            const float* hx = h;
-            if (parts > 1) {
-                for (int f = t; f < m; f += T)
-                    for (int p = 0; p < parts; p++)
-                        decode_add_rmsnorm((float*)h + ((size_t)f * parts + p) * dim, NULL, g[0] + (size_t)p * dim,
-                                           dim, eps, u + ((size_t)f * parts + p) * dim);
-                team_sync(&bar);
-                rc = team_gemm(kind, arith, w[0], dim, parts * dim, u, m, hf, ws, t, &bar);
-                team_sync(&bar);
-                hx = hf;
-            }
-            for (int f = t; f < m && !rc; f += T) {
-                decode_add_rmsnorm((float*)hx + (size_t)f * dim, NULL, g[1], dim, eps, a + (size_t)f * 2 * dim);
-                decode_add_rmsnorm((float*)e + (size_t)f * dim, NULL, g[2], dim, eps, a + (size_t)f * 2 * dim + dim);
-            }
-            team_sync(&bar);
-            if (!rc) rc = team_gemm(kind, arith, w[1], dim, 2 * dim, a, m, z, ws, t, &bar);
-            team_sync(&bar);
+        if (m > 0) { /* the rows fused; their keys and values below */
+            rc = team_head_input(m, dim, parts, eps, kind, arith, w[0], w[1], g[0], g[1], g[2], h, e, u, hf, a, z, ws, t,
+                                 &bar);
         } else {
             if (t == 0) memcpy(z, zlast, sizeof(float) * dim);
             team_sync(&bar);
