@@ -50,9 +50,9 @@ class AttnChain:
 
     def reserve(self, size: int) -> None:
         if size > self.k.shape[1]:  # grow by doubling
-            size = max(2 * self.k.shape[1], size)
-            self.k = torch.cat([self.k[:, :self.n], self.k.new_empty(self.k.shape[0], size - self.n, self.k.shape[2])], 1)
-            self.v = torch.cat([self.v[:, :self.n], self.v.new_empty(self.v.shape[0], size - self.n, self.v.shape[2])], 1)
+            grow = (self.k.shape[0], max(2 * self.k.shape[1], size) - self.n, self.k.shape[2])
+            self.k = torch.cat([self.k[:, :self.n], self.k.new_empty(grow)], 1)
+            self.v = torch.cat([self.v[:, :self.n], self.v.new_empty(grow)], 1)
 
     def store(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Keys and values [heads, m, head_dim] of the next m answer positions."""
@@ -82,7 +82,8 @@ class AttnDrafter:
         lin = lambda w: Q8Linear(w, fast)  # noqa: E731
         self.w_f = lin(head.w_f.weight) if self.taps else None
         self.w_in, self.w_qkv, self.w_o = lin(head.w_in.weight), lin(head.w_qkv.weight), lin(head.w_o.weight)
-        self.w_gate_up, self.w_down, self.rows = lin(head.w_gate_up.weight), lin(head.w_down.weight), lin(self.head_rows)
+        self.w_gate_up, self.w_down = lin(head.w_gate_up.weight), lin(head.w_down.weight)
+        self.rows = lin(self.head_rows)
         self.freqs = head.theta ** (-torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim)
         self.scale = 1.0 / math.sqrt(self.head_dim)
         # the whole draft in one C call (kernels/cpu_decode.c: attn_head_chain) where the kernels run
