@@ -800,7 +800,7 @@ static void rope_pair(float* x, int hd, const float* freqs, int pos) {
  * hidden, n_vocab, parts, threads, the weights' kind code (+ 16: packed), arith, n, m, k, cap. w: w_f,
  * w_in, w_qkv, w_o, w_gate_up, w_down, the draft vocabulary's rows. g: g_f, g_h, g_e, g_a, g_m, g_o.
  * freqs [head_dim / 2]: RoPE's. Out: drafts [k] (rows of the draft vocabulary), zlast. The GEMVs are
- * team_gemm's, the norms decode_add_rmsnorm's, the attention fp32 (dot, softmax_exp): the drafts agree
+ * team_gemm's, the norms decode_add_rmsnorm's, the attention fp32 (dot, exp_ieee): the drafts agree
  * with the torch reference's to float rounding. Returns 0, a GEMV's rc, -1 (bad shapes) or -2 (memory). */
 int attn_head_chain(const int* dims, float eps, float scale, const uint8_t** w, const float** g, const float* h,
                     const float* e, float* kc, float* vc, const float* freqs, const float* emb_rows, float* zlast,
@@ -899,7 +899,10 @@ int attn_head_chain(const int* dims, float eps, float scale, const uint8_t** w, 
                 float* sj = sc + (size_t)j * (N + k);
                 const float* qj = q + (size_t)j * hd;
                 for (int p = 0; p < keys; p++) sj[p] = dot(qj, kc + ((size_t)j * cap + p) * hd, hd) * scale;
-                const float r = softmax_exp(sj, keys);
+                float mx = -INFINITY, sum = 0.0f; /* softmax with exp_ieee (every build: no AVX2 needed) */
+                for (int p = 0; p < keys; p++) mx = sj[p] > mx ? sj[p] : mx;
+                for (int p = 0; p < keys; p++) sum += (sj[p] = exp_ieee(sj[p] - mx));
+                const float r = 1.0f / sum;
                 float* oj = att + (size_t)j * hd;
                 for (int i = 0; i < hd; i++) oj[i] = 0.0f;
                 for (int p = 0; p < keys; p++) {
