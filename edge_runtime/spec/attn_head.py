@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edge_runtime.spec.mtp import _rms, read_heads, write_heads
+from edge_runtime.spec.mtp import _rms, add_tap_fusion, fuse_taps, read_heads, write_heads
 
 FORMAT = "edge-runtime-attn/1"  # safetensors as the MLP heads' (spec/mtp.py), with the layer's shape
 
@@ -50,11 +50,7 @@ class AttnDraftHead(nn.Module):
         self.dim, self.heads, self.head_dim, self.hidden = dim, heads, head_dim, hidden
         self.eps, self.theta, self.depth, self.taps = eps, theta, depth, tuple(taps)
         if self.taps:  # a real position's h: the final state and the tapped layers' residuals, fused (as MtpHead)
-            self.g_f = nn.Parameter(torch.ones(1 + len(self.taps), dim))
-            self.w_f = nn.Linear((1 + len(self.taps)) * dim, dim, bias=False)
-            with torch.no_grad():  # starts as the final state alone
-                self.w_f.weight.zero_()
-                self.w_f.weight[:, :dim] = torch.eye(dim)
+            add_tap_fusion(self)
         self.g_h, self.g_e, self.g_a = (nn.Parameter(torch.ones(dim)) for _ in range(3))
         self.g_m, self.g_o = nn.Parameter(torch.ones(dim)), nn.Parameter(torch.ones(dim))
         self.w_in = nn.Linear(2 * dim, dim, bias=False)
@@ -83,8 +79,7 @@ class AttnDraftHead(nn.Module):
 
     def _fuse(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         if h.shape[-1] != self.dim:  # the model's features [..., (1 + taps) * dim]: fused first
-            parts = h.unflatten(-1, (1 + len(self.taps), self.dim))
-            h = self.w_f((_rms(parts, self.eps) * self.g_f).flatten(-2))
+            h = fuse_taps(self, h)
         return self.w_in(torch.cat([_rms(h, self.eps) * self.g_h, _rms(e, self.eps) * self.g_e], dim=-1))
 
     def _qkv(self, z: torch.Tensor, pos: torch.Tensor):

@@ -47,17 +47,30 @@ def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
+def add_tap_fusion(head: nn.Module) -> None:
+    """A head's fusion of the model's features (the final state and its `taps` layers' outputs): a gain per part
+    (g_f) and one projection (w_f), starting as the final state alone. Shared by MtpHead and AttnDraftHead."""
+    parts = 1 + len(head.taps)
+    head.g_f = nn.Parameter(torch.ones(parts, head.dim))
+    head.w_f = nn.Linear(parts * head.dim, head.dim, bias=False)
+    with torch.no_grad():
+        head.w_f.weight.zero_()
+        head.w_f.weight[:, :head.dim] = torch.eye(head.dim)
+
+
+def fuse_taps(head: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """The model's features [..., (1 + taps) * dim] -> [..., dim]: each part normed with its gain, then w_f."""
+    parts = h.unflatten(-1, (1 + len(head.taps), head.dim))
+    return head.w_f((_rms(parts, head.eps) * head.g_f).flatten(-2))
+
+
 class MtpHead(nn.Module):
     def __init__(self, dim: int, hidden: int, vocab: torch.Tensor, eps: float = 1e-5, depth: int = 4,
                  taps: tuple[int, ...] = ()):
         super().__init__()
         self.dim, self.hidden, self.eps, self.depth, self.taps = dim, hidden, eps, depth, tuple(taps)
         if self.taps:  # the first step's h: the final state and the tapped layers' residuals, fused (EAGLE-3)
-            self.g_f = nn.Parameter(torch.ones(1 + len(self.taps), dim))
-            self.w_f = nn.Linear((1 + len(self.taps)) * dim, dim, bias=False)
-            with torch.no_grad():  # starts as the final state alone
-                self.w_f.weight.zero_()
-                self.w_f.weight[:, :dim] = torch.eye(dim)
+            add_tap_fusion(self)
         self.g_h, self.g_e = nn.Parameter(torch.ones(dim)), nn.Parameter(torch.ones(dim))
         self.w_in = nn.Linear(2 * dim, dim, bias=False)
         self.g_m = nn.Parameter(torch.ones(dim))
@@ -71,8 +84,7 @@ class MtpHead(nn.Module):
 
     def fuse(self, h: torch.Tensor) -> torch.Tensor:
         """The model's features [N, (1 + taps) * dim] (`transformer.features`) -> the first step's h [N, dim]."""
-        parts = h.reshape(h.shape[0], 1 + len(self.taps), self.dim)
-        return self.w_f((_rms(parts, self.eps) * self.g_f).flatten(1))
+        return fuse_taps(self, h)
 
     def forward(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         """h: [N, dim] (a step's output) or the model's features [N, (1 + taps) * dim]; e: [N, dim] -> h' [N, dim]."""
