@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -790,6 +791,12 @@ static void rope_pair(float* x, int hd, const float* freqs, int pos) {
     }
 }
 
+static double seconds_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
 /* The attention draft head (edge_runtime/spec/attn_drafter.py) in one call, as mtp_head_step is the MLP
  * heads': the m rows fed since the last chain (the model's features h [m, parts * dim], their tokens'
  * embeddings e [m, dim]) go into the head's key/value cache (kc, vc [heads, cap, head_dim]) at positions
@@ -799,12 +806,15 @@ static void rope_pair(float* x, int hd, const float* freqs, int pos) {
  * n + m + s - 1, past the answer's (scratch: the next call overwrites them). dims: dim, heads, head_dim,
  * hidden, n_vocab, parts, threads, the weights' kind code (+ 16: packed), arith, n, m, k, cap. w: w_f,
  * w_in, w_qkv, w_o, w_gate_up, w_down, the draft vocabulary's rows. g: g_f, g_h, g_e, g_a, g_m, g_o.
- * freqs [head_dim / 2]: RoPE's. Out: drafts [k] (rows of the draft vocabulary), zlast. The GEMVs are
- * team_gemm's, the norms decode_add_rmsnorm's, the attention fp32 (dot, exp_ieee): the drafts agree
+ * freqs [head_dim / 2]: RoPE's. Out: drafts [k] (rows of the draft vocabulary), zlast, seconds [2]: the
+ * rows' part and the chain's (the planner prices a draft step by the chain's: the rows go in whatever k is).
+ * The GEMVs are team_gemm's, the norms decode_add_rmsnorm's, the attention fp32 (dot, exp_ieee): the drafts agree
  * with the torch reference's to float rounding. Returns 0, a GEMV's rc, -1 (bad shapes) or -2 (memory). */
 int attn_head_chain(const int* dims, float eps, float scale, const uint8_t** w, const float** g, const float* h,
                     const float* e, float* kc, float* vc, const float* freqs, const float* emb_rows, float* zlast,
-                    int* drafts) {
+                    int* drafts, double* seconds) {
+    const double t0 = seconds_now();
+    double t_rows = t0;
     const int dim = dims[0], H = dims[1], hd = dims[2], hidden = dims[3], n_vocab = dims[4], parts = dims[5];
     const int nt = dims[6] > 1 ? dims[6] : 1, kind = dims[7], arith = dims[8], n = dims[9], m = dims[10];
     const int k = dims[11], cap = dims[12], qd = H * hd, M = m > 0 ? m : 1, N = n + m;
@@ -872,6 +882,7 @@ int attn_head_chain(const int* dims, float eps, float scale, const uint8_t** w, 
             for (int j = 0; j < H; j++) rope_pair(q + (size_t)j * hd, hd, freqs, N - 1);
         }
         team_sync(&bar);
+        if (t == 0) t_rows = seconds_now();
         for (int s = 0; s < k && !rc; s++) {
             if (s) { /* the previous state and its draft at position N - 1 + s: fused, its query, key, value */
                 if (t == 0) {
@@ -942,6 +953,8 @@ int attn_head_chain(const int* dims, float eps, float scale, const uint8_t** w, 
     }
     free(ws);
     free(buf);
+    seconds[0] = t_rows - t0;
+    seconds[1] = seconds_now() - t_rows;
     return rc_all;
 }
 

@@ -163,7 +163,8 @@ class _Library:
         self.mtp_head_step = self.lib.mtp_head_step
         self.mtp_head_step.argtypes, self.mtp_head_step.restype = [i, p, f, p, p, p, p, p, p], ctypes.c_int
         self.attn_head_chain = self.lib.attn_head_chain
-        self.attn_head_chain.argtypes, self.attn_head_chain.restype = [p, f, f, p, p, p, p, p, p, p, p, p, p], ctypes.c_int
+        self.attn_head_chain.argtypes = [p, f, f, p, p, p, p, p, p, p, p, p, p, p]
+        self.attn_head_chain.restype = ctypes.c_int
         self.kv_store_rows = self.lib.decode_kv_store_rows
         self.kv_store_rows.argtypes, self.kv_store_rows.restype = [p, p, i, i, p, i, i, i, p], None
 

@@ -220,7 +220,9 @@ class StepDrafter:
             else:
                 heads = job.drafts.chain or self.mtp
                 drafts, parents = heads.propose(chunk.seq.token_ids, k, job.hidden)[:k], None
-                self._head_time(time.perf_counter() - t0, k)
+                # the attention head's chain: its steps alone (the rows fed go into its cache whatever k is)
+                if drafts:
+                    self._head_time(self.mtp.chain_seconds if job.drafts.chain else time.perf_counter() - t0, k)
             if drafts and scheduler.add_drafts(chunk, drafts, parents):
                 budget -= len(drafts)
                 job.drafts.last_tree = parents is not None

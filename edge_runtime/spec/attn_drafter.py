@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import time
 
 import torch
 import torch.nn.functional as F
@@ -88,7 +89,8 @@ class AttnDrafter:
         self.scale = 1.0 / math.sqrt(self.head_dim)
         # the whole draft in one C call (kernels/cpu_decode.c: attn_head_chain) where the kernels run
         mats = (self.w_f or self.w_in, self.w_in, self.w_qkv, self.w_o, self.w_gate_up, self.w_down, self.rows)
-        self.lib = None
+        self.lib, self.chain_seconds = None, 0.0
+        self.seconds = (ctypes.c_double * 2)()  # the C call's: its rows' part, its chain's
         if c_step and all(m.blocks is not None for m in mats):
             from kernels import cpu_gemv
 
@@ -151,14 +153,20 @@ class AttnDrafter:
         return _rms(z, self.eps) * self.g_o
 
     def draft(self, chain: AttnChain, k: int) -> list[int]:
-        """The rows fed since the last chain into its cache, then k drafts from the last position."""
+        """The rows fed since the last chain into its cache, then k drafts from the last position.
+        Sets `chain_seconds`: the time of the k steps alone (the rows go in whatever k is, so the
+        planner prices a draft by this)."""
         if self.lib is None:
             self.absorb(chain)
-            return self.chain(chain, k)
+            t0 = time.perf_counter()
+            drafts = self.chain(chain, k)
+            self.chain_seconds = time.perf_counter() - t0
+            return drafts
         while len(chain.pending) > 8:  # (a run of steps without drafts) eight rows a call
             self._c_step(chain, chain.pending[:8], 0)
             chain.pending = chain.pending[8:]
         drafts = self._c_step(chain, chain.pending, k)
+        self.chain_seconds = self.seconds[1]
         chain.pending = []
         return drafts
 
@@ -173,7 +181,7 @@ class AttnDrafter:
         drafts = (ctypes.c_int * max(1, k))()
         rc = self.lib.attn_head_chain(dims, self.eps, self.scale, self._w, self._g, h.data_ptr(), e.data_ptr(),
                                       chain.k.data_ptr(), chain.v.data_ptr(), self.freqs.data_ptr(),
-                                      self.head_rows.data_ptr(), chain.zlast.data_ptr(), drafts)
+                                      self.head_rows.data_ptr(), chain.zlast.data_ptr(), drafts, self.seconds)
         if rc:
             raise ValueError(f"attn_head_chain rejected its arguments (n={chain.n}, m={m}, k={k}): rc={rc}")
         chain.n += m

@@ -85,3 +85,24 @@ def test_the_c_step_drafts_what_the_torch_path_on_the_same_q8_weights_drafts():
     assert same >= 0.95 * total, (same, total)
     with pytest.raises(ValueError, match="attn_head_chain rejected"):
         c._c_step(chains[0], [(feats[0], 1)] * 9, 1)  # eight rows a call at most (draft() splits): refused
+
+
+def test_a_draft_times_its_chain_apart_from_the_rows_it_takes_in():
+    """The planner prices a draft step by the chain's steps alone (the rows fed go into the head's cache
+    whatever k is): the C call times its two parts apart, and `chain_seconds` is the chain's."""
+    head, table = random_head(seed=3)
+    c, ref = (AttnDrafter(head, lambda ids: table[ids], c_step=s) for s in (True, False))
+    if c.lib is None:
+        pytest.skip("C kernels unavailable here")
+    torch.manual_seed(2)
+    feats, tokens = torch.randn(9, 3 * DIM), torch.randint(0, VOCAB, (9,)).tolist()
+    chain = c.new_chain()
+    c._c_step(chain, [(feats[j], tokens[j]) for j in range(8)], 0)  # eight rows, no chain
+    rows, steps = c.seconds
+    assert rows > 0 and steps < rows
+    for drafter in (c, ref):
+        chain = drafter.new_chain()
+        for j in range(9):
+            chain.feed(feats[j], tokens[j])
+        assert len(chain.propose(tokens, 4)) == 4 and drafter.chain_seconds > 0
+    assert c.chain_seconds == c.seconds[1]
