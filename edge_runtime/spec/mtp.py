@@ -159,9 +159,10 @@ class Q8Linear:
     """`x @ w.T` for drafting: w [out, in] as Q8_0 blocks on the kernels of kernels/ (8-bit activations where
     cpu_qgemm has its packed layout, as `Q8Head`; else cpu_gemv's fp32 GEMVs, 8 rows a call), one thread;
     fp32 torch where the kernels do not run or `fast` is off. x [m, in] fp32 -> [m, out] fp32. `blocks`,
-    `kind` (cpu_decode.c's code: + 16 packed) and `integer` (its arith) for C steps; `blocks` None on fp32."""
+    `kind` (cpu_decode.c's code: + 16 packed) and `integer` (its arith) for C steps; `blocks` None on fp32.
+    `integer` False: the fp32 GEMVs even where the integer kernels run (None: the integer ones where they do)."""
 
-    def __init__(self, w: torch.Tensor, fast: bool = True):
+    def __init__(self, w: torch.Tensor, fast: bool = True, integer: bool | None = None):
         self.w = w.detach().float().contiguous()
         self.out_f, in_f = self.w.shape
         self.blocks, self.integer, self.kind = None, False, 8  # 8: q8_0
@@ -173,7 +174,7 @@ class Q8Linear:
 
                 q = gguf.quants.quantize(self.w.numpy(), gguf.GGMLQuantizationType.Q8_0)
                 self.blocks = torch.from_numpy(np.ascontiguousarray(q))
-                self.integer = cpu_qgemm.available() and cpu_qgemm.packed_supported("q8_0")
+                self.integer = cpu_qgemm.available() and cpu_qgemm.packed_supported("q8_0") and integer is not False
                 if self.integer:
                     self.blocks, self.kind = cpu_qgemm.repack("q8_0", self.blocks, self.out_f, in_f), 8 + 16
 
@@ -198,55 +199,41 @@ class Q8Head:
     verification decides with the full model."""
 
     def __init__(self, head: MtpHead, head_rows: torch.Tensor, integer: bool | None = None):
-        import gguf
+        from kernels import cpu_gemv
 
-        from kernels import cpu_gemv, cpu_qgemm
-
-        if integer is None:
-            integer = cpu_qgemm.available() and cpu_qgemm.packed_supported("q8_0")
-        self.integer = integer
-
-        def q8(w: torch.Tensor) -> torch.Tensor:
-            blocks = gguf.quants.quantize(w.detach().float().numpy(), gguf.GGMLQuantizationType.Q8_0)
-            blocks = torch.from_numpy(np.ascontiguousarray(blocks))
-            return cpu_qgemm.repack("q8_0", blocks, w.shape[0], w.shape[1]) if integer else blocks
-
-        # one thread: these GEMVs are small enough that waking a second costs more than it saves
-        if integer:
-            self.gemv = lambda kind, w, x, n: cpu_qgemm.qgemm_packed(kind, w, x, n, num_threads=1)
-        else:
-            self.gemv = lambda kind, w, x, n: cpu_gemv.gemv(kind, w, x, n, num_threads=1)
+        lin = lambda w: Q8Linear(w, integer=integer)  # noqa: E731  (one thread each: see Q8Linear)
         self.eps, self.hidden = head.eps, head.hidden
-        self.g_h, self.g_e, self.g_m, self.g_o = (g.detach().float().clone() for g in (head.g_h, head.g_e, head.g_m, head.g_o))
-        self.w_in, self.w_gate_up, self.w_down = (q8(lin.weight) for lin in (head.w_in, head.w_gate_up, head.w_down))
-        self.rows = q8(head_rows)
+        self.g_h, self.g_e, self.g_m, self.g_o = (g.detach().float().clone()
+                                                  for g in (head.g_h, head.g_e, head.g_m, head.g_o))
+        self.w_in, self.w_gate_up, self.w_down = (lin(m.weight) for m in (head.w_in, head.w_gate_up, head.w_down))
+        self.rows = lin(head_rows)
+        self.integer = self.w_in.integer
         self.n_in, self.n_vocab = head.dim, head_rows.shape[0]
-        self.w_f = q8(head.w_f.weight) if head.taps else None
+        self.w_f = lin(head.w_f.weight) if head.taps else None
         self.g_f = head.g_f.detach().float().clone() if head.taps else None
         # the whole step in one C call (kernels/cpu_decode.c: mtp_head_step): one parallel region on the
         # model's threads, no Python between the GEMVs
         self.lib = cpu_gemv.library()
         parts = 1 + len(head.taps)
-        keep = (self.w_f if head.taps else self.w_in, self.w_in, self.w_gate_up, self.w_down, self.rows)
+        keep = tuple(m.blocks for m in (self.w_f or self.w_in, self.w_in, self.w_gate_up, self.w_down, self.rows))
         gains = (self.g_f.contiguous() if head.taps else self.g_h, self.g_h, self.g_e, self.g_m, self.g_o)
         self._keep = keep + gains
         self._w = (ctypes.c_void_p * 5)(*(t.data_ptr() for t in keep))
         self._g = (ctypes.c_void_p * 5)(*(t.data_ptr() for t in gains))
         # mtp_head_step's dims: sizes, then (threads), the weights' kind code (+ 16: packed) and the arithmetic
-        self._dims = [self.n_in, self.hidden, self.n_vocab, parts, 8 + 16 * integer, int(integer)]
+        self._dims = [self.n_in, self.hidden, self.n_vocab, parts, self.w_in.kind, int(self.integer)]
 
     def __call__(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         if h.shape[-1] != self.n_in:  # the model's features: fused first (MtpHead.fuse)
             parts = h.reshape(h.shape[0], -1, self.n_in)
-            h = self.gemv("q8_0", self.w_f, (_rms(parts, self.eps) * self.g_f).flatten(1), self.n_in)
-        z = self.gemv("q8_0", self.w_in, torch.cat([_rms(h, self.eps) * self.g_h, _rms(e, self.eps) * self.g_e], -1),
-                      self.n_in)
-        gate, up = self.gemv("q8_0", self.w_gate_up, _rms(z, self.eps) * self.g_m, 2 * self.hidden).chunk(2, dim=-1)
-        z = z + self.gemv("q8_0", self.w_down, F.silu(gate) * up, self.n_in)
+            h = self.w_f((_rms(parts, self.eps) * self.g_f).flatten(1))
+        z = self.w_in(torch.cat([_rms(h, self.eps) * self.g_h, _rms(e, self.eps) * self.g_e], -1))
+        gate, up = self.w_gate_up(_rms(z, self.eps) * self.g_m).chunk(2, dim=-1)
+        z = z + self.w_down(F.silu(gate) * up)
         return _rms(z, self.eps) * self.g_o
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.gemv("q8_0", self.rows, h, self.n_vocab)
+        return self.rows(h)
 
     def step(self, h: torch.Tensor, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`self(h, e)` and its `logits` in one C call: next states [F, dim], draft logits [F, n_vocab], F <= 8.
