@@ -33,22 +33,13 @@ def draft_vocab(records: list[dict], vocab_size: int, size: int) -> tuple[torch.
 
 
 def batch_of(records: list[dict], emb_table: torch.Tensor, index: torch.Tensor, steps: int):
-    """Padded tensors: h [B, T, dim], emb [B, T + steps - 1, dim], valid [B, T], targets [B, T, steps]."""
-    T = max(len(r["tokens"]) for r in records)
-    B, dim = len(records), emb_table.shape[1]
-    h = torch.zeros(B, T, records[0]["hidden"].shape[1])
-    emb = torch.zeros(B, T + steps - 1, dim)
-    valid = torch.zeros(B, T, dtype=torch.bool)
-    targets = torch.full((B, T, steps), -100, dtype=torch.long)
-    for b, r in enumerate(records):
-        n = len(r["tokens"])
-        h[b, :n] = r["hidden"].float()
-        emb[b, :n] = emb_table[r["tokens"]]
-        valid[b, :n] = True
-        greedy = index[r["greedy"]]
-        for s in range(steps):  # start t, step s: the argmax at answer position t + s + 1
-            if n > s + 1:
-                targets[b, :n - s - 1, s] = greedy[s + 1:]
+    """Whole answers padded into one batch (`piece_batch` with a piece of every position of each, the hard
+    targets): h [B, T, W], emb [B, T + steps - 1, dim], valid [B, T], targets [B, T, steps]."""
+    lengths = [len(r["tokens"]) for r in records]
+    starts = [sum(lengths[:i]) for i in range(len(records))]
+    flat = torch.cat([r["hidden"] for r in records])
+    pieces = [(i, 0, n) for i, n in enumerate(lengths)]
+    h, emb, valid, _, targets = piece_batch(pieces, records, starts, flat, emb_table, index, steps, "hard")
     return h, emb, valid, targets
 
 
@@ -102,7 +93,7 @@ def piece_batch(pieces, records, starts, flat, emb_table, index, steps: int, los
             t = torch.arange(o, max(o, min(m, n - s - 1)))
             if len(t):
                 tgt[b, :len(t), s] = t + s + 1 + starts[i] if loss == "soft" else index[r["greedy"][t + s + 1]]
-    emb = emb_table[toks.clamp(min=0)] * (toks >= 0)[..., None]  # zeros past the end, as `batch_of`
+    emb = emb_table[toks.clamp(min=0)] * (toks >= 0)[..., None]  # zeros past the answer's end
     return flat[rows].float() * valid[..., None], emb, valid, qpos, tgt
 
 
