@@ -395,3 +395,27 @@ def test_the_attention_head_with_the_mlp_recipe_outdrafts_the_mlp_heads_offline(
     assert curve[-1]["mean_accepted_k3"] > d["mlp_shipped"]["mean_accepted_k3"] > mlp4["mean_accepted_k3"]
     assert any(s.kind == "mtp-heads" and "windows of 16" in s.title for s in sections)
     assert f"{att['mean_accepted_k3']:.3g}" in page
+
+
+SHIPPED_ATTENTION = ("mtp-attention-written-4080.json", "spec-zen4-attn.json")  # the run that wrote it, bench spec's
+
+
+def test_the_shipped_attention_head_is_its_runs_and_drafts_in_the_engine_what_that_run_replayed(committed):
+    """edge_runtime/data/mtp/<model>.attn.safetensors carries the figures of the run that wrote it (its JSON's
+    last point, recomputed from chain accuracy), and `bench spec` with it verifies at k = 3 in the engine what
+    that run's replay over the same MT-Bench answers said, within 0.005, position by position."""
+    from edge_cli.train_mtp import expected_accepted
+    from edge_runtime.spec.attn_head import AttnDraftHead
+
+    page, _, _ = committed
+    run, spec = (_json(name) for name in SHIPPED_ATTENTION)
+    last = run["curve"][-1]
+    assert last["expected_accepted_k3"] == pytest.approx(expected_accepted(last["chain_accuracy"], 3), abs=1e-9)
+    path = os.path.join(REPO, "edge_runtime", "data", "mtp", "SmolLM2-135M-Instruct.Q4_1.attn.safetensors")
+    head, meta = AttnDraftHead.load(path)
+    training = json.loads(meta["training"])
+    assert training["mean_accepted_k3"] == last["mean_accepted_k3"] and head.taps == tuple(run["attention"]["taps"])
+    assert training["chain_accuracy"] == last["chain_accuracy"] and training["epochs"] == run["attention"]["epochs"]
+    assert spec["lossless"] and spec["mtp_attn.mean_accepted"] == pytest.approx(last["mean_accepted_k3"], abs=0.005)
+    assert spec["mtp_attn.acceptance_per_position"] == pytest.approx(last["acceptance_per_position"], abs=0.005)
+    assert f"{last['mean_accepted_k3']:.3g}" in page
