@@ -253,6 +253,11 @@ def _k3(h: dict):
     return h.get("mean_accepted_k3", h.get("expected_accepted_k3"))
 
 
+def _tpv(x) -> str:
+    """Tokens per verification as written: three decimals (2.005 is not 2)."""
+    return f"{x:.3f}" if _isnum(x) else _num(x)
+
+
 def _how(h: dict) -> str:
     return "replayed" if "mean_accepted_k3" in h else "estimated from chain accuracy"
 
@@ -276,14 +281,14 @@ def _mtp_heads(d):
     axs[1].set_xlabel("answer tokens trained on")
     axs[1].grid(alpha=0.3)
     _hline(axs[1], _k3(mlp), "MLP heads (shipped)", ls=":")
-    rows = [_row(f"MLP heads (shipped): tokens per verification, k = 3 ({_how(mlp)})", _num(_k3(mlp)), "",
+    rows = [_row(f"MLP heads (shipped): tokens per verification, k = 3 ({_how(mlp)})", _tpv(_k3(mlp)), "",
                  None, "", target, ">=", _k3(mlp)),
-            _row(f"attention head: tokens per verification, k = 3 ({_how(att)})", _num(_k3(att)),
-                 f"MLP heads {_num(_k3(mlp))}", _div(_k3(att), _k3(mlp)), "attention / MLP", target, ">=", _k3(att))]
+            _row(f"attention head: tokens per verification, k = 3 ({_how(att)})", _tpv(_k3(att)),
+                 f"MLP heads {_tpv(_k3(mlp))}", _div(_k3(att), _k3(mlp)), "attention / MLP", target, ">=", _k3(att))]
     rows += [_row(f"chain accuracy by depth, {name}", ", ".join(_pct(a) for a in h.get("chain_accuracy") or []))
              for name, h in (("MLP heads", mlp), ("attention head", att))]
     rows += [_row(f"attention head trained on {_num(c['train_answer_tokens'])} answer tokens, k = 3",
-                  _num(_k3(c))) for c in curve]
+                  _tpv(_k3(c))) for c in curve]
     return (f"train-mtp: draft heads offline (attention head: {recipe})", "On the model's own greedy MT-Bench answers: greedy verification "
             "replayed at k = 3 (what `bench spec` measures online, exactly), and chain accuracy per depth over "
             "every position (a chain is right at depth j when its first j drafts equal the model's argmax). "
