@@ -25,7 +25,8 @@ def _add_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
                        help="speculative decoding, output unchanged: mtp = the model's trained draft heads, "
                             "mtp-ngram = prompt lookup where the last 2+ tokens match earlier ones, else the heads, "
                             "mtp-tree = their draft trees (one pass, tree attention), mtp-attn = the attention "
-                            "draft head's chains (native), mtp-attn-ngram = prompt lookup, else those, ngram = prompt lookup; "
+                            "draft head's chains (native), mtp-attn-ngram = prompt lookup, else those, "
+                            "ngram = prompt lookup; "
                             "auto = mtp-ngram where heads ship, else ngram (native), else none")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: the device profile's, one per "
                    "physical core)")

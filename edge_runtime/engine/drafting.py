@@ -155,9 +155,10 @@ class StepDrafter:
         if self.lookup:
             return JobDrafts(NgramProposer(min_n=LookupThenHeads.LOOKUP_MIN_N), Acceptance(alpha=self.prior.alpha),
                              heads=Acceptance(alpha=self.heads_prior.alpha), chain=attn)
-        chain = None if self.method == "mtp-tree" else NgramProposer() if self.method == "ngram" else attn or self.mtp
+        proposer = (None if self.method == "mtp-tree" else NgramProposer() if self.method == "ngram"
+                    else attn or self.mtp)
         tree = TreeGain(self.tree.size, prior=self.tree_prior) if self.tree else None
-        return JobDrafts(chain, Acceptance(alpha=self.prior.alpha), tree, chain=attn)
+        return JobDrafts(proposer, Acceptance(alpha=self.prior.alpha), tree, chain=attn)
 
     def observe(self, drafts: JobDrafts, proposed: int, accepted: int, depth: int | None = None) -> None:
         """One decode step of a job: `accepted` of its `proposed` drafts were taken."""
