@@ -37,14 +37,14 @@ class Backend(ABC):
     def set_draft(self, name: str, k: int | None = None, allow_inexact: bool = False) -> None:
         """Speculative drafting for this backend's requests: "auto", "none", "ngram" (prompt lookup) or
         "mtp" (the model's trained multi-token-prediction heads), "mtp-ngram" (prompt lookup where the last two tokens
-        or more match, else the heads) or "mtp-tree" (their draft trees, tree.py); "mtp-attn" (the attention head)
+        or more match, else the heads) or "mtp-tree" (their draft trees, tree.py); "mtp-attn*" (the attention head)
         drafts in the native backend's batch engine only and is refused here;
         `k` fixes the draft length, or the tree's size in drafts (default: adaptive). Output is unchanged;
         see speculative.py."""
         from edge_runtime.errors import InvalidRequestError
         from edge_runtime.spec.speculative import make_drafter, resolve_draft
 
-        if name == "mtp-tree" and k is not None and not 1 <= k <= 15:
+        if name in ("mtp-tree", "mtp-attn-tree") and k is not None and not 1 <= k <= 15:
             raise InvalidRequestError(f"a draft tree holds 1 to 15 drafts (16 rows a pass), not {k}")
         drafter = make_drafter(name, self, allow_inexact)
         if drafter is not None:

@@ -313,10 +313,10 @@ class NativeBackend(Backend):
         self.engine.blocks.reset_prefix_cache()
 
     def set_draft(self, name: str, k: int | None = None, allow_inexact: bool = False) -> None:
-        """Drafting in the engine's steps: "auto", "none", "ngram", "mtp", "mtp-ngram", "mtp-tree", "mtp-attn" or
-        "mtp-attn-ngram" (the attention head's chains, alone or after prompt lookup); `k` fixes the draft length or
-        tree size (default: the planner's). "auto": where the fused C step runs, "mtp-ngram" (prompt lookup where the
-        last two tokens or more match, else the heads' chain) when heads ship, "ngram" when none do; else none."""
+        """Drafting in the engine's steps: one of DRAFTERS (speculative.py; "mtp-attn*": the attention head's chains,
+        alone or after prompt lookup, or its trees); `k` fixes the draft length or tree size (default: the planner's).
+        "auto": where the fused C step runs, "mtp-ngram" (prompt lookup where the last two tokens or more match, else
+        the heads' chain) when heads ship, "ngram" when none do; else none."""
         from edge_runtime.spec.attn_drafter import AttnDrafter
         from edge_runtime.spec.mtp import MtpDrafter, find_heads
         from edge_runtime.spec.speculative import DRAFTERS

@@ -22,7 +22,8 @@ trees of each size would have earned the sequence so far (`TreeGain`, scored aga
 last two tokens or more match earlier ones, else the heads' chain (speculative.py `LookupThenHeads`), each
 with an acceptance estimate of its own. "mtp-attn" and "mtp-attn-ngram" are "mtp" and "mtp-ngram" with the
 attention head (spec/attn_drafter.py): each job then drafts from its own `AttnChain`, which the engine feeds
-every sampled token with the features of the row that chose it (`JobDrafts.feed`).
+every sampled token with the features of the row that chose it (`JobDrafts.feed`); "mtp-attn-tree" grows
+"mtp-tree"'s trees from that chain.
 
 It knows nothing about requests, text or the model's arithmetic.
 """
@@ -35,7 +36,8 @@ from edge_runtime.spec.draft_planner import Acceptance, DraftPlanner
 from edge_runtime.spec.speculative import LookupThenHeads, NgramProposer
 from edge_runtime.spec.tree import TreeDrafter, TreeGain
 
-DRAFTS = ("none", "ngram", "mtp", "mtp-ngram", "mtp-tree", "mtp-attn", "mtp-attn-ngram")
+DRAFTS = ("none", "ngram", "mtp", "mtp-ngram", "mtp-tree", "mtp-attn", "mtp-attn-ngram", "mtp-attn-tree")
+TREES = ("mtp-tree", "mtp-attn-tree")
 MAX_DRAFTS = 7  # a chain's; a tree's: 15 (16 rows a call)
 
 
@@ -126,7 +128,7 @@ class StepDrafter:
     def __init__(self, method: str, max_rows: int, mtp=None, fixed_k: int | None = None):
         """method: "ngram", "mtp", "mtp-ngram" (prompt lookup where the last two tokens or more match, else the
         heads' chain), "mtp-tree" (with `mtp`, an MtpDrafter, for all but "ngram") or "mtp-attn" (`mtp`: an
-        AttnDrafter; "mtp-attn-ngram": "mtp-ngram" with it); fixed_k: always that many
+        AttnDrafter; "mtp-attn-ngram", "mtp-attn-tree": "mtp-ngram", "mtp-tree" with it); fixed_k: always that many
         drafts when the proposer has them (for measuring acceptance at a given k), else the planner decides."""
         if method not in DRAFTS[1:]:
             raise ValueError(f"the batch engine drafts with {' or '.join(DRAFTS)}, not {method!r}")
@@ -138,7 +140,7 @@ class StepDrafter:
                                                           "the MLP heads (MtpDrafter)"))
         self.lookup = method in ("mtp-ngram", "mtp-attn-ngram")  # prompt lookup first, the heads' chain elsewhere
         self.method, self.mtp, self.fixed_k = method, mtp, fixed_k
-        self.tree = TreeDrafter(mtp, size=min(15, max_rows - 1)) if method == "mtp-tree" else None
+        self.tree = TreeDrafter(mtp, size=min(15, max_rows - 1)) if method in TREES else None
         most = self.tree.size if self.tree else MAX_DRAFTS
         if fixed_k is not None and not 1 <= fixed_k <= most:
             raise ValueError(f"{method} drafts 1 to {most} tokens a step, not {fixed_k}")
@@ -155,7 +157,7 @@ class StepDrafter:
         if self.lookup:
             return JobDrafts(NgramProposer(min_n=LookupThenHeads.LOOKUP_MIN_N), Acceptance(alpha=self.prior.alpha),
                              heads=Acceptance(alpha=self.heads_prior.alpha), chain=attn)
-        proposer = (None if self.method == "mtp-tree" else NgramProposer() if self.method == "ngram"
+        proposer = (None if self.method in TREES else NgramProposer() if self.method == "ngram"
                     else attn or self.mtp)
         tree = TreeGain(self.tree.size, prior=self.tree_prior) if self.tree else None
         return JobDrafts(proposer, Acceptance(alpha=self.prior.alpha), tree, chain=attn)
@@ -193,7 +195,7 @@ class StepDrafter:
                 d.tree.level_seconds = self.head_seconds
                 cands.append((chunk, job, room, d.tree))
                 limits.append(self.tree.size)
-            elif self.method not in ("ngram", "mtp-tree") and job.hidden is not None:  # a head step per draft
+            elif self.method not in ("ngram",) + TREES and job.hidden is not None:  # a head step per draft
                 est = d.heads or d.acceptance
                 est.step_seconds = self.head_seconds
                 cands.append((chunk, job, room, est))
@@ -211,7 +213,8 @@ class StepDrafter:
             t0 = time.perf_counter()
             if est is job.drafts.tree:
                 depth = min(self.tree.depth, offer, k)  # offer: the room left; k drafts reach at most k deep
-                cand = self.tree.grow(job.hidden, chunk.seq.token_ids[-1], self.tree.size, depth)
+                # the attention head grows it from this answer's chain
+                cand = self.tree.grow(job.hidden, chunk.seq.token_ids[-1], self.tree.size, depth, job.drafts.chain)
                 self._head_time(time.perf_counter() - t0, depth)
                 est.add(cand, chunk.seq.num_tokens - 1, depth)
                 tree = cand.top(k)

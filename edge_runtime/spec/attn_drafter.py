@@ -13,6 +13,11 @@ The matrices run as Q8_0 blocks on the kernels of kernels/ (`mtp.Q8Linear`: 8-bi
 cpu_qgemm has its packed layout, as `Q8Head`), the attention itself in fp32 torch. Drafts only propose:
 verification with the full model decides every token, so this cannot change an answer, only how many
 drafts are accepted.
+
+Trees (`--draft mtp-attn-tree`): an `AttnChain` is also the head `TreeDrafter.grow` (spec/tree.py) steps,
+one level of the tree at a time. A node at depth s is the chain's step s for the path above it: its query
+attends over the answer's keys and the keys of its own ancestors below the root (`TreeStates`), so every
+path of the tree is the chain those drafts would have made, to float rounding (torch, fp32 attention).
 """
 from __future__ import annotations
 
@@ -25,6 +30,18 @@ import torch.nn.functional as F
 
 from edge_runtime.spec.attn_head import FORMAT, AttnDraftHead
 from edge_runtime.spec.mtp import Q8Linear, _rms, find_heads
+
+
+class TreeStates:
+    """A tree's frontier while it grows: per node the head's output state [F, dim] (None at the root, which
+    starts from `z`, the last fed row's fused input) and the keys and values of its path below the root
+    [F, heads, depth, head_dim], rotated to their positions."""
+
+    def __init__(self, state, k: torch.Tensor, v: torch.Tensor, z=None):
+        self.state, self.k, self.v, self.z = state, k, v, z
+
+    def __getitem__(self, rows: list[int]) -> "TreeStates":
+        return TreeStates(self.state[rows], self.k[rows], self.v[rows])
 
 
 class AttnChain:
@@ -48,6 +65,17 @@ class AttnChain:
         if not self.pending and self.n == 0:
             return []
         return self.drafter.draft(self, min(k, self.drafter.max_depth))
+
+    @property
+    def vocab(self) -> list[int]:
+        return self.drafter.vocab
+
+    def first_state(self, hidden=None) -> TreeStates:
+        """Where a tree starts (TreeDrafter.grow steps this chain as its head; the rows came through `feed`)."""
+        return self.drafter.tree_root(self)
+
+    def head_step(self, states: TreeStates, tokens: list[int]):
+        return self.drafter.tree_step(self, states, tokens)
 
     def reserve(self, size: int) -> None:
         if size > self.k.shape[1]:  # grow by doubling
@@ -132,11 +160,13 @@ class AttnDrafter:
             h = self.w_f((_rms(parts, self.eps) * self.g_f).flatten(1))
         return self.w_in(torch.cat([_rms(h, self.eps) * self.g_h, _rms(e, self.eps) * self.g_e], dim=-1))
 
-    def _qkv(self, z: torch.Tensor, start: int):
-        """z [m, dim] at positions start.. -> q, k, v [heads, m, head_dim], q and k rotated (attn_head.rope)."""
+    def _qkv(self, z: torch.Tensor, start: int, same: bool = False):
+        """z [m, dim] at positions start.. (`same`: every row at start) -> q, k, v [heads, m, head_dim], q and k
+        rotated (attn_head.rope)."""
         m = z.shape[0]
         q, k, v = self.w_qkv(_rms(z, self.eps) * self.g_a).view(m, 3, self.heads, self.head_dim).unbind(1)
-        ang = torch.arange(start, start + m, dtype=torch.float32)[:, None] * self.freqs  # [m, half]
+        pos = torch.full((m,), float(start)) if same else torch.arange(start, start + m, dtype=torch.float32)
+        ang = pos[:, None] * self.freqs  # [m, half]
         cos, sin = torch.cos(ang)[None], torch.sin(ang)[None]
 
         def rot(x):
@@ -146,8 +176,8 @@ class AttnDrafter:
         return rot(q), rot(k), v.transpose(0, 1)
 
     def _out(self, z: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """z [1, dim], attn [heads, 1, head_dim] -> the step's output state [1, dim]."""
-        z = z + self.w_o(attn.transpose(0, 1).reshape(1, -1))
+        """z [m, dim], attn [heads, m, head_dim] -> the step's output states [m, dim]."""
+        z = z + self.w_o(attn.transpose(0, 1).reshape(z.shape[0], -1))
         gate, up = self.w_gate_up(_rms(z, self.eps) * self.g_m).chunk(2, dim=-1)
         z = z + self.w_down(F.silu(gate) * up)
         return _rms(z, self.eps) * self.g_o
@@ -213,3 +243,40 @@ class AttnDrafter:
             state = self._out(z, p @ values)
             out.append(self.vocab[int(self.rows(state)[0].numpy().argmax())])
         return out
+
+    @torch.inference_mode()
+    def tree_root(self, chain: AttnChain) -> TreeStates:
+        """The rows fed since the last chain into its cache; a tree then starts at the last of them."""
+        if self.lib is None:
+            self.absorb(chain)
+            z = chain.z
+        else:
+            while chain.pending:
+                self._c_step(chain, chain.pending[:8], 0)
+                chain.pending = chain.pending[8:]
+            z = chain.zlast[None].clone()
+        empty = torch.empty(1, self.heads, 0, self.head_dim)
+        return TreeStates(None, empty, empty, z)
+
+    @torch.inference_mode()
+    def tree_step(self, chain: AttnChain, states: TreeStates, tokens: list[int]):
+        """One level of a tree for F frontier nodes: the nodes' states and the drafts after them ([F] tokens;
+        at the root: the last fed token, already in the cache) -> the children's states and their
+        draft-vocabulary logits [F, len(vocab)]. A child at depth s is the chain's step s for its path."""
+        n = chain.n
+        if states.state is None:  # the root: the chain's step 0
+            z, k, v = states.z, states.k, states.v
+            q = self._qkv(z, n - 1)[0]
+        else:
+            z = self._fuse(states.state, self._emb(tokens))
+            q, k1, v1 = self._qkv(z, n + states.k.shape[2], same=True)  # depth s at position n - 1 + s
+            k = torch.cat([states.k, k1.transpose(0, 1)[:, :, None]], 2)
+            v = torch.cat([states.v, v1.transpose(0, 1)[:, :, None]], 2)
+        qf = q.transpose(0, 1)  # [F, heads, head_dim]: over the answer's keys, then its own path's
+        scores = torch.cat([torch.einsum("fhd,hnd->fhn", qf, chain.k[:, :n]), torch.einsum("fhd,fhsd->fhs", qf, k)],
+                           -1)
+        p = torch.softmax(scores * self.scale, dim=-1)
+        attn = torch.einsum("fhn,hnd->fhd", p[..., :n], chain.v[:, :n])
+        attn = attn + torch.einsum("fhs,fhsd->fhd", p[..., n:], v)
+        state = self._out(z, attn.transpose(0, 1))
+        return TreeStates(state, k, v), self.rows(state)

@@ -232,7 +232,7 @@ class LookupThenHeads:
         return self.lookup.propose(history, k) or self.mtp.propose(history, k, hidden)
 
 
-DRAFTERS = ("auto", "none", "ngram", "mtp", "mtp-ngram", "mtp-tree", "mtp-attn", "mtp-attn-ngram")
+DRAFTERS = ("auto", "none", "ngram", "mtp", "mtp-ngram", "mtp-tree", "mtp-attn", "mtp-attn-ngram", "mtp-attn-tree")
 
 
 def exact_verify(runner) -> bool:

@@ -75,7 +75,8 @@ class DraftTree:
 
 
 class TreeDrafter:
-    """An MtpDrafter's head grown into trees. `fixed_k` (set_draft's k) fixes the tree's size in drafts."""
+    """An MtpDrafter's heads (or an AttnDrafter's head, through each answer's chain) grown into trees. `fixed_k`
+    (set_draft's k) fixes the tree's size in drafts."""
     name = "mtp-tree"
     needs_hidden = True
 
@@ -86,12 +87,15 @@ class TreeDrafter:
         self.fixed_k = None
 
     @torch.inference_mode()
-    def grow(self, hidden: torch.Tensor, token: int, size: int, depth: int) -> DraftTree:
-        """The best `size` drafts after `token` (chosen by the hidden state `hidden`), at most `depth` deep."""
+    def grow(self, hidden: torch.Tensor, token: int, size: int, depth: int, head=None) -> DraftTree:
+        """The best `size` drafts after `token` (chosen by the hidden state `hidden`), at most `depth` deep.
+        `head`: what steps the tree (first_state, head_step, vocab): the MLP heads (default) or the attention
+        head's chain of this answer (attn_drafter.AttnChain)."""
+        head = head if head is not None else self.mtp
         nodes = [(0.0, -1, token)]  # (cumulative log-probability, parent, token); node 0 the root
-        frontier, states = [0], self.mtp.first_state(hidden)
+        frontier, states = [0], head.first_state(hidden)
         for _ in range(depth):
-            states, logits = self.mtp.head_step(states, [nodes[i][2] for i in frontier])
+            states, logits = head.head_step(states, [nodes[i][2] for i in frontier])
             # each row's `width` likeliest tokens and their log-probabilities (numpy: a torch reduction over
             # these few thousand values costs milliseconds of thread wake-ups here)
             lg = logits.numpy()
@@ -103,7 +107,7 @@ class TreeDrafter:
                             for c in range(w)), key=lambda x: (-x[0], x[1], x[2]))[:self.width]
             rows = []
             for score, r, j in cands:
-                nodes.append((score, frontier[r], self.mtp.vocab[j]))
+                nodes.append((score, frontier[r], head.vocab[j]))
                 rows.append(r)
             frontier = list(range(len(nodes) - len(cands), len(nodes)))
             states = states[rows]

@@ -34,9 +34,10 @@ def test_a_worker_with_ngram_drafts_answers_as_without(worker, solo):
         assert joined(together[i])[:2] == solo[i][:2]
 
 
-@pytest.mark.parametrize("method", ["mtp", "mtp-ngram", "mtp-tree", "mtp-attn"])
+@pytest.mark.parametrize("method", ["mtp", "mtp-ngram", "mtp-tree", "mtp-attn", "mtp-attn-tree"])
 def test_a_worker_with_mtp_drafts_answers_as_without(solo, method):
-    """--draft mtp (chains), mtp-tree (draft trees) and mtp-attn (the attention head's chains): the worker
+    """--draft mtp (chains), mtp-tree (draft trees), mtp-attn and mtp-attn-tree (the attention head's chains and
+    trees): the worker
     drafts with the heads shipped for its
     model (drafts verified, counted on /metrics), and its answers, three at once, are token for token the
     plain worker's."""

@@ -199,6 +199,14 @@ def test_attention_head_chains_of_several_sequences_give_their_solo_answers(engi
     assert run(engine, "mtp-attn-ngram", requests, after=[0, 0, 3, 7, 7], mtp=drafter) == alone
     assert [c.n + len(c.pending) for c in chains] == fed
     assert engine.drafter.prior.alpha != 0.5 and engine.drafter.heads_prior.alpha != 0.5  # both sources drafted
+    # trees grown from each job's chain (--draft mtp-attn-tree): the accepted path's rows feed it, nothing else
+    chains.clear()
+    log.clear()
+    before = engine.draft_stats()
+    assert run(engine, "mtp-attn-tree", requests, after=[0, 0, 3, 7, 7], steps_log=log, mtp=drafter, fixed_k=7) == alone
+    after = engine.draft_stats()
+    assert [c.n + len(c.pending) for c in chains] == fed
+    assert max(log) >= 2 and 0 < after["accepted"] - before["accepted"] < after["proposed"] - before["proposed"]
     assert engine.scheduler.stats()["num_running"] == 0 and not engine.jobs
     engine.blocks.check_invariants()
 

@@ -106,3 +106,53 @@ def test_a_draft_times_its_chain_apart_from_the_rows_it_takes_in():
             chain.feed(feats[j], tokens[j])
         assert len(chain.propose(tokens, 4)) == 4 and drafter.chain_seconds > 0
     assert c.chain_seconds == c.seconds[1]
+
+
+def forced_next(head, table, feats, tokens, t, path):
+    """The head's draft after the answer's first t + 1 rows and the drafts `path` (the chain forced along them)."""
+    with torch.no_grad():
+        emb = table[torch.tensor(tokens[:t + 1] + path)][None]
+        outs = head.chain(feats[None, :t + 1], emb, torch.ones(1, t + 1, dtype=torch.bool), len(path) + 1)
+        return int(head.vocab[(outs[-1][0, t] @ table[head.vocab].T).argmax()])
+
+
+def test_a_tree_grown_from_a_chain_drafts_along_every_path_what_the_chain_forced_along_it_drafts():
+    """--draft mtp-attn-tree: each node of a tree is the chain's step for its path (its query over the answer's
+    keys and its ancestors'), so a node's likeliest child is what the trained layer drafts after that path;
+    a tree one wide is the chain itself; the C path's cache grows the same trees."""
+    from edge_runtime.spec.tree import TreeDrafter
+
+    head, table = random_head(seed=5)
+    drafter = AttnDrafter(head, lambda ids: table[ids], fast=False)
+    trees = TreeDrafter(drafter, size=15, width=4, depth=4)
+    T = 20
+    feats, tokens = torch.randn(T, 3 * DIM), torch.randint(0, VOCAB, (T,)).tolist()
+    chain, fed, checked = drafter.new_chain(), 0, 0
+    for t in (0, 3, 4, 11, 19):
+        for j in range(fed, t + 1):
+            chain.feed(feats[j], tokens[j])
+        fed = t + 1
+        tree = trees.grow(None, tokens[t], 15, 4, head=chain)
+        assert tree.size == 15 and chain.n == t + 1 and not chain.pending
+        for i in range(len(tree.tokens)):
+            kids = [c for c in range(i + 1, len(tree.tokens)) if tree.parents[c] == i]
+            if not kids:
+                continue
+            path, node = [], i
+            while node:
+                path.insert(0, tree.tokens[node])
+                node = tree.parents[node]
+            assert tree.tokens[kids[0]] == forced_next(head, table, feats, tokens, t, path), (t, i)
+            checked += 1
+        line = TreeDrafter(drafter, size=4, width=1, depth=4).grow(None, tokens[t], 4, 4, head=chain)
+        assert line.tokens[1:] == chain.propose(tokens[:t + 1], 4) and line.parents == [-1, 0, 1, 2, 3]
+    assert checked >= 20
+    c = AttnDrafter(head, lambda ids: table[ids], fast=False, c_step=True)
+    if c.lib is None:
+        return
+    chains = (c.new_chain(), drafter.new_chain())
+    for ch in chains:
+        for j in range(T):
+            ch.feed(feats[j], tokens[j])
+    a, b = (trees.grow(None, tokens[-1], 15, 4, head=ch) for ch in chains)
+    assert sum(x == y for x, y in zip(a.tokens, b.tokens)) >= 14 and chains[0].n == chains[1].n == T

@@ -91,6 +91,12 @@ def test_mtp_attn_greedy_output_is_identical_to_plain_decoding(native_backend, p
     check_lossless(native_backend, "mtp-attn", PROMPTS if k else PROMPTS[:4], 128, plain_answers, k=k)
 
 
+@pytest.mark.parametrize("size", [7, None])
+def test_mtp_attn_tree_greedy_output_is_identical_to_plain_decoding(native_backend, plain_answers, size):
+    """Draft trees grown from the attention head's chains (a fixed size of 7 drafts, and the adaptive size)."""
+    check_lossless(native_backend, "mtp-attn-tree", PROMPTS if size else PROMPTS[:4], 128, plain_answers, k=size)
+
+
 def test_drafting_on_llama_cpp_is_refused_because_its_batches_round_differently(llama_backend):
     from edge_runtime.errors import InvalidRequestError
 
