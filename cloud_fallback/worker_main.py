@@ -47,12 +47,13 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--upstream-key-file", default=None, help="file holding the upstream server's API key")
     p.add_argument("--max-batch", type=int, default=8, help="sequences per step (continuous batching)")
     p.add_argument("--draft", default="none", choices=["none", "ngram", "mtp", "mtp-ngram", "mtp-tree", "mtp-attn",
-                                                         "mtp-attn-ngram", "mtp-attn-tree"],
+                                                         "mtp-attn-ngram", "mtp-attn-tree", "mtp-attn-ngram-tree"],
                    help="speculative decoding, output unchanged: drafts as extra rows of each step, as many per "
                         "sequence as pay for themselves; ngram = prompt lookup, mtp = the model's shipped MTP heads, "
                         "mtp-ngram = prompt lookup where the last 2+ tokens match, else the heads, "
                         "mtp-tree = their draft trees, mtp-attn = the attention draft head's chains, "
-                        "mtp-attn-ngram = prompt lookup, else those, mtp-attn-tree = that head's draft trees")
+                        "mtp-attn-ngram = prompt lookup, else those, mtp-attn-tree = that head's draft trees, "
+                        "mtp-attn-ngram-tree = those with prompt lookup's chain as a branch")
     p.add_argument("--max-batched-tokens", type=int, default=512, help="tokens computed per step")
     p.add_argument("--chunk-size", type=int, default=256, help="prefill chunk size (a multiple of 16)")
     p.add_argument("--max-tokens", dest="limit_max_tokens", type=int, default=2048, help="limit on max_tokens")

@@ -22,12 +22,13 @@ def _add_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
     if draft:
         p.add_argument("--draft", default="auto",
                        choices=["auto", "mtp", "mtp-ngram", "mtp-tree", "mtp-attn", "mtp-attn-ngram", "mtp-attn-tree",
-                                "ngram", "none"],
+                                "mtp-attn-ngram-tree", "ngram", "none"],
                        help="speculative decoding, output unchanged: mtp = the model's trained draft heads, "
                             "mtp-ngram = prompt lookup where the last 2+ tokens match earlier ones, else the heads, "
                             "mtp-tree = their draft trees (one pass, tree attention), mtp-attn = the attention "
                             "draft head's chains (native), mtp-attn-ngram = prompt lookup, else those, "
-                            "mtp-attn-tree = that head's draft trees (native), "
+                            "mtp-attn-tree = that head's draft trees (native), mtp-attn-ngram-tree = those with "
+                            "prompt lookup's chain as a branch, "
                             "ngram = prompt lookup; "
                             "auto = mtp-ngram where heads ship, else ngram (native), else none")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: the device profile's, one per "

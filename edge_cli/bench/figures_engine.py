@@ -186,7 +186,9 @@ def _spec(d):
     accepted = [(k, n) for k, n in (("mtp.mean_accepted", "MTP chains"), ("mtp_ngram.mean_accepted", "MTP + lookup"),
                                     ("mtp.tree_mean_accepted", "MTP trees"),
                                     ("mtp_attn.mean_accepted", "attention head chains"),
-                                    ("mtp_attn.tree_mean_accepted", "attention head trees")) if _isnum(_get(d, k))]
+                                    ("mtp_attn.tree_mean_accepted", "attention head trees"),
+                                    ("mtp_attn_ngram.tree_mean_accepted", "attention head + lookup trees"))
+                if _isnum(_get(d, k))]
     _bars(axs[1], [n for _, n in accepted], [_get(d, k) for k, _ in accepted], "tokens per verification\n(mean)",
           "tokens")
     rows = [_row(name, _num(_get(d, k)), anchor, _get(d, k), k, _target(d, k)) for k, name, anchor in keys]

@@ -11,7 +11,8 @@ adaptive draft length (what `--draft mtp` gives), the heads with prompt lookup a
 (`--draft mtp-ngram`'s acceptance figures; MT-Bench only), draft trees of a fixed `--tree-size` drafts (tree
 acceptance figures) and of the adaptive size (what `--draft mtp-tree` gives; MT-Bench only), the attention
 head's chains and prompt lookup with them, each at the fixed k and the adaptive length (`--draft mtp-attn`,
-`mtp-attn-ngram`), and its trees at the fixed and the adaptive size (`mtp-attn-tree`; where that head ships), n-gram
+`mtp-attn-ngram`), and its trees, alone and with prompt lookup's chain as a branch, at the fixed and the adaptive
+size (`mtp-attn-tree`, `mtp-attn-ngram-tree`; where that head ships), n-gram
 on both engines, `--draft auto` (the default: `mtp-ngram` with the adaptive length where heads ship,
 else n-gram), and llama.cpp plain
 on the same GGUF with the same threads, in a worker process of its own (`LlamaWorker`: in this
@@ -195,8 +196,8 @@ def run_spec_bench(args) -> int:
     has_attn = find_heads(native, ATTN_FORMAT) is not None
     n_tok, k, tree = args.spec_tokens, args.draft_k, args.tree_size
     mt = {name: Tally() for name in ("plain", "mtp_k", "mtp", "mtp_ngram_k", "tree_k", "tree", "attn_k", "attn",
-                                     "attn_ngram_k", "attn_ngram", "attn_tree_k", "attn_tree", "ngram", "auto",
-                                     "llama_plain")}
+                                     "attn_ngram_k", "attn_ngram", "attn_tree_k", "attn_tree", "attn_ngram_tree_k",
+                                     "attn_ngram_tree", "ngram", "auto", "llama_plain")}
     gr = {name: Tally() for name in ("plain", "ngram", "mtp", "attn", "attn_ngram", "auto", "llama_plain",
                                      "llama_ngram")}
     t0 = time.time()
@@ -215,6 +216,8 @@ def run_spec_bench(args) -> int:
             _run(native, "mtp-attn-ngram", None, q, n_tok, mt["attn_ngram"])
             _run(native, "mtp-attn-tree", tree, q, n_tok, mt["attn_tree_k"])
             _run(native, "mtp-attn-tree", None, q, n_tok, mt["attn_tree"])
+            _run(native, "mtp-attn-ngram-tree", tree, q, n_tok, mt["attn_ngram_tree_k"])
+            _run(native, "mtp-attn-ngram-tree", None, q, n_tok, mt["attn_ngram_tree"])
         _run(native, "ngram", None, q, n_tok, mt["ngram"])
         _run(native, "auto", None, q, n_tok, mt["auto"])
         _run(llama, "none", None, q, n_tok, mt["llama_plain"])
@@ -301,6 +304,12 @@ def run_spec_bench(args) -> int:
         res["mtp_attn.tree_acceptance_per_depth"] = tk.get("acceptance_per_position", [])
         res[f"mtp_attn.tree{tree}.speedup_over_plain"] = round(tk["tok_s"] / plain["tok_s"], 3)
         res["mtp_attn.tree.speedup_over_plain"] = round(ta["tok_s"] / plain["tok_s"], 3)
+        tk, ta = mt["attn_ngram_tree_k"].summary(mt["plain"]), mt["attn_ngram_tree"].summary(mt["plain"])
+        res["mt_bench"].update({f"native_mtp_attn_ngram_tree_{tree}": tk, "native_mtp_attn_ngram_tree": ta})
+        res["mtp_attn_ngram.tree_mean_accepted"] = tk.get("mean_accepted", 0.0)
+        res["mtp_attn_ngram.tree_acceptance_per_depth"] = tk.get("acceptance_per_position", [])
+        res[f"mtp_attn_ngram.tree{tree}.speedup_over_plain"] = round(tk["tok_s"] / plain["tok_s"], 3)
+        res["mtp_attn_ngram.tree.speedup_over_plain"] = round(ta["tok_s"] / plain["tok_s"], 3)
     res["lossless"] = all(v.get("identical", True) for w in ("mt_bench", "grounded") for name, v in res[w].items()
                           if isinstance(v, dict) and name.startswith("native"))
     res["grounded"]["llama_cpp_ngram"]["note"] = (

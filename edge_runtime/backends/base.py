@@ -44,7 +44,7 @@ class Backend(ABC):
         from edge_runtime.errors import InvalidRequestError
         from edge_runtime.spec.speculative import make_drafter, resolve_draft
 
-        if name in ("mtp-tree", "mtp-attn-tree") and k is not None and not 1 <= k <= 15:
+        if name.endswith("tree") and k is not None and not 1 <= k <= 15:
             raise InvalidRequestError(f"a draft tree holds 1 to 15 drafts (16 rows a pass), not {k}")
         drafter = make_drafter(name, self, allow_inexact)
         if drafter is not None:

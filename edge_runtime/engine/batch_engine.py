@@ -119,8 +119,8 @@ class BatchEngine:
 
     def set_draft(self, method: str, mtp=None, fixed_k: int | None = None) -> None:
         """Drafting for requests submitted from now on: "none", "ngram", "mtp", "mtp-ngram", "mtp-tree" (with
-        `mtp`, an MtpDrafter, for all but "ngram"; drafting.py), "mtp-attn", "mtp-attn-ngram" or "mtp-attn-tree"
-        (`mtp`: an AttnDrafter).
+        `mtp`, an MtpDrafter, for all but "ngram"; drafting.py), "mtp-attn", "mtp-attn-ngram", "mtp-attn-tree" or
+        "mtp-attn-ngram-tree" (`mtp`: an AttnDrafter).
         Drafts need the fused C step (its rows are bit for bit one-token steps); elsewhere it is refused."""
         if method not in DRAFTS:
             raise ValueError(f"the batch engine drafts with {' or '.join(DRAFTS)}, not {method!r}")

@@ -36,8 +36,9 @@ from edge_runtime.spec.draft_planner import Acceptance, DraftPlanner
 from edge_runtime.spec.speculative import LookupThenHeads, NgramProposer
 from edge_runtime.spec.tree import TreeDrafter, TreeGain
 
-DRAFTS = ("none", "ngram", "mtp", "mtp-ngram", "mtp-tree", "mtp-attn", "mtp-attn-ngram", "mtp-attn-tree")
-TREES = ("mtp-tree", "mtp-attn-tree")
+DRAFTS = ("none", "ngram", "mtp", "mtp-ngram", "mtp-tree", "mtp-attn", "mtp-attn-ngram", "mtp-attn-tree",
+          "mtp-attn-ngram-tree")
+TREES = ("mtp-tree", "mtp-attn-tree", "mtp-attn-ngram-tree")
 MAX_DRAFTS = 7  # a chain's; a tree's: 15 (16 rows a call)
 
 
@@ -138,7 +139,8 @@ class StepDrafter:
         if mtp is not None and attn != hasattr(mtp, "new_chain"):
             raise ValueError(f"{method} drafts with " + ("the attention head (AttnDrafter)" if attn else
                                                           "the MLP heads (MtpDrafter)"))
-        self.lookup = method in ("mtp-ngram", "mtp-attn-ngram")  # prompt lookup first, the heads' chain elsewhere
+        # prompt lookup first, the heads' chain elsewhere (with trees: lookup's chain a branch of the tree)
+        self.lookup = method != "ngram" and "ngram" in method
         self.method, self.mtp, self.fixed_k = method, mtp, fixed_k
         self.tree = TreeDrafter(mtp, size=min(15, max_rows - 1)) if method in TREES else None
         most = self.tree.size if self.tree else MAX_DRAFTS
@@ -154,12 +156,12 @@ class StepDrafter:
 
     def new_job(self) -> JobDrafts:
         attn = self.mtp.new_chain() if hasattr(self.mtp, "new_chain") else None  # the attention head's
+        tree = TreeGain(self.tree.size, prior=self.tree_prior) if self.tree else None
         if self.lookup:
             return JobDrafts(NgramProposer(min_n=LookupThenHeads.LOOKUP_MIN_N), Acceptance(alpha=self.prior.alpha),
-                             heads=Acceptance(alpha=self.heads_prior.alpha), chain=attn)
+                             tree, heads=None if tree else Acceptance(alpha=self.heads_prior.alpha), chain=attn)
         proposer = (None if self.method in TREES else NgramProposer() if self.method == "ngram"
                     else attn or self.mtp)
-        tree = TreeGain(self.tree.size, prior=self.tree_prior) if self.tree else None
         return JobDrafts(proposer, Acceptance(alpha=self.prior.alpha), tree, chain=attn)
 
     def observe(self, drafts: JobDrafts, proposed: int, accepted: int, depth: int | None = None) -> None:
@@ -178,6 +180,7 @@ class StepDrafter:
         decodes = [(c, j) for c, j in zip(out.chunks, jobs)
                    if j is not None and not j.done and c.samples and c.end - c.start == 1]
         cands, limits = [], []  # (chunk, job, what prompt lookup offers or the room left, its estimate)
+        lookups = {}  # chunk -> prompt lookup's chain, a branch of its tree
         for chunk, job in decodes:
             d = job.drafts
             if d.tree is not None:  # score its earlier trees against what it has generated since
@@ -188,11 +191,12 @@ class StepDrafter:
                 continue
             offer = d.proposer.propose(chunk.seq.token_ids, min(room, MAX_DRAFTS)) \
                 if isinstance(d.proposer, NgramProposer) else None
-            if offer:  # free to ask: plan with what it offers
+            if offer and d.tree is None:  # free to ask: plan with what it offers
                 cands.append((chunk, job, offer, d.acceptance))
                 limits.append(len(offer))
             elif d.tree is not None and job.hidden is not None:  # a tree: plan first, then grow it
                 d.tree.level_seconds = self.head_seconds
+                lookups[id(chunk)] = offer
                 cands.append((chunk, job, room, d.tree))
                 limits.append(self.tree.size)
             elif self.method not in ("ngram",) + TREES and job.hidden is not None:  # a head step per draft
@@ -213,10 +217,12 @@ class StepDrafter:
             t0 = time.perf_counter()
             if est is job.drafts.tree:
                 depth = min(self.tree.depth, offer, k)  # offer: the room left; k drafts reach at most k deep
+                lookup = (lookups[id(chunk)] or [])[:k]
                 # the attention head grows it from this answer's chain
-                cand = self.tree.grow(job.hidden, chunk.seq.token_ids[-1], self.tree.size, depth, job.drafts.chain)
+                cand = self.tree.grow(job.hidden, chunk.seq.token_ids[-1], self.tree.size, depth, job.drafts.chain,
+                                      lookup)
                 self._head_time(time.perf_counter() - t0, depth)
-                est.add(cand, chunk.seq.num_tokens - 1, depth)
+                est.add(cand, chunk.seq.num_tokens - 1, max(depth, len(lookup)))
                 tree = cand.top(k)
                 drafts, parents = tree.tokens[1:], tree.parents
             elif isinstance(offer, list):

@@ -232,7 +232,8 @@ class LookupThenHeads:
         return self.lookup.propose(history, k) or self.mtp.propose(history, k, hidden)
 
 
-DRAFTERS = ("auto", "none", "ngram", "mtp", "mtp-ngram", "mtp-tree", "mtp-attn", "mtp-attn-ngram", "mtp-attn-tree")
+DRAFTERS = ("auto", "none", "ngram", "mtp", "mtp-ngram", "mtp-tree", "mtp-attn", "mtp-attn-ngram", "mtp-attn-tree",
+            "mtp-attn-ngram-tree")
 
 
 def exact_verify(runner) -> bool:

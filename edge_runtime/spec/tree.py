@@ -87,12 +87,19 @@ class TreeDrafter:
         self.fixed_k = None
 
     @torch.inference_mode()
-    def grow(self, hidden: torch.Tensor, token: int, size: int, depth: int, head=None) -> DraftTree:
+    def grow(self, hidden: torch.Tensor, token: int, size: int, depth: int, head=None,
+             lookup: list[int] | None = None) -> DraftTree:
         """The best `size` drafts after `token` (chosen by the hidden state `hidden`), at most `depth` deep.
         `head`: what steps the tree (first_state, head_step, vocab): the MLP heads (default) or the attention
-        head's chain of this answer (attn_drafter.AttnChain)."""
+        head's chain of this answer (attn_drafter.AttnChain). `lookup`: prompt lookup's chain, a branch ranked
+        before every drafted node (taken as certain: the head's drafts under it score from 0); where the head
+        drafts one of its tokens at the same place, that node is the lookup's (no node twice)."""
         head = head if head is not None else self.mtp
         nodes = [(0.0, -1, token)]  # (cumulative log-probability, parent, token); node 0 the root
+        at: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+        for t in lookup or ():
+            at[(len(nodes) - 1, t)] = len(nodes)
+            nodes.append((0.0, len(nodes) - 1, t))
         frontier, states = [0], head.first_state(hidden)
         for _ in range(depth):
             states, logits = head.head_step(states, [nodes[i][2] for i in frontier])
@@ -105,12 +112,15 @@ class TreeDrafter:
             logp = np.take_along_axis(lg, idx, 1) - (top + np.log(np.exp(lg - top).sum(axis=1, keepdims=True)))
             cands = sorted(((nodes[f][0] + float(logp[r, c]), r, int(idx[r, c])) for r, f in enumerate(frontier)
                             for c in range(w)), key=lambda x: (-x[0], x[1], x[2]))[:self.width]
-            rows = []
+            rows, frontier_next = [], []
             for score, r, j in cands:
-                nodes.append((score, frontier[r], head.vocab[j]))
+                key = (frontier[r], head.vocab[j])
+                if key not in at:
+                    at[key] = len(nodes)
+                    nodes.append((score, *key))
+                frontier_next.append(at[key])
                 rows.append(r)
-            frontier = list(range(len(nodes) - len(cands), len(nodes)))
-            states = states[rows]
+            frontier, states = frontier_next, states[rows]
         # ranks by score; ties go to the earlier node (a parent before its children)
         order = sorted(range(1, len(nodes)), key=lambda i: (-nodes[i][0], i))[:size]
         rank = {i: r for r, i in enumerate(order)}

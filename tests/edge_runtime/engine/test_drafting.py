@@ -6,6 +6,7 @@ import pytest
 from edge_runtime.engine.batch_engine import load_engine
 from edge_runtime.engine.scheduler import SchedulerConfig
 from edge_runtime.request import GenerationRequest, SamplingParams
+from edge_runtime.spec.tree import TreeDrafter
 
 PASSAGES = [
     "The library opens at nine in the morning and closes at six in the evening. Members may borrow up to "
@@ -172,7 +173,7 @@ def test_preemption_and_resume_with_drafts_give_the_solo_plain_answers(model_pat
     assert tiny.scheduler.num_preemptions > 0 and tiny.num_verifications > 0
 
 
-def test_attention_head_chains_of_several_sequences_give_their_solo_answers(engine):
+def test_attention_head_chains_of_several_sequences_give_their_solo_answers(engine, monkeypatch):
     """--draft mtp-attn: each job drafts from its own chain of the attention head, fed every sampled token with
     its row (and nothing else: a rejected draft never enters it); greedy answers and a seeded sample are
     plain decoding's, several sequences drafting in one step."""
@@ -207,6 +208,13 @@ def test_attention_head_chains_of_several_sequences_give_their_solo_answers(engi
     after = engine.draft_stats()
     assert [c.n + len(c.pending) for c in chains] == fed
     assert max(log) >= 2 and 0 < after["accepted"] - before["accepted"] < after["proposed"] - before["proposed"]
+    # and with prompt lookup's chain as a branch of each tree where the last two tokens match
+    chains.clear()
+    lookups, grow = [], TreeDrafter.grow
+    monkeypatch.setattr(TreeDrafter, "grow", lambda self, *a: lookups.append(a[5]) or grow(self, *a))
+    assert run(engine, "mtp-attn-ngram-tree", requests, after=[0, 0, 3, 7, 7], mtp=drafter) == alone
+    assert [c.n + len(c.pending) for c in chains] == fed
+    assert any(lookups) and not all(lookups)  # trees with lookup's branch, and trees without
     assert engine.scheduler.stats()["num_running"] == 0 and not engine.jobs
     engine.blocks.check_invariants()
 

@@ -91,10 +91,12 @@ def test_mtp_attn_greedy_output_is_identical_to_plain_decoding(native_backend, p
     check_lossless(native_backend, "mtp-attn", PROMPTS if k else PROMPTS[:4], 128, plain_answers, k=k)
 
 
+@pytest.mark.parametrize("draft", ["mtp-attn-tree", "mtp-attn-ngram-tree"])
 @pytest.mark.parametrize("size", [7, None])
-def test_mtp_attn_tree_greedy_output_is_identical_to_plain_decoding(native_backend, plain_answers, size):
-    """Draft trees grown from the attention head's chains (a fixed size of 7 drafts, and the adaptive size)."""
-    check_lossless(native_backend, "mtp-attn-tree", PROMPTS if size else PROMPTS[:4], 128, plain_answers, k=size)
+def test_mtp_attn_tree_greedy_output_is_identical_to_plain_decoding(native_backend, plain_answers, size, draft):
+    """Draft trees grown from the attention head's chains, alone and with prompt lookup's chain as a branch (a
+    fixed size of 7 drafts, and the adaptive size)."""
+    check_lossless(native_backend, draft, PROMPTS if size else PROMPTS[:4], 128, plain_answers, k=size)
 
 
 def test_drafting_on_llama_cpp_is_refused_because_its_batches_round_differently(llama_backend):
@@ -252,7 +254,7 @@ def test_seeded_sampling_gives_the_same_answer_with_and_without_drafting(native_
     """Deterministic drafts are checked by drawing from p and comparing (the one-hot case of the rejection
     test), so the random stream is untouched: a seed gives the same answer whatever the drafts."""
     outs = {}
-    for draft in ("none", "ngram", "mtp", "mtp-ngram", "mtp-tree", "mtp-attn"):
+    for draft in ("none", "ngram", "mtp", "mtp-ngram", "mtp-tree", "mtp-attn", "mtp-attn-tree"):
         native_backend.runner.reset()
         native_backend.set_draft(draft, k=3)  # a fixed length: the adaptive one follows wall-clock costs
         try:
@@ -265,6 +267,7 @@ def test_seeded_sampling_gives_the_same_answer_with_and_without_drafting(native_
     assert outs["mtp-ngram"].token_ids == outs["none"].token_ids == outs["mtp-attn"].token_ids
     assert outs["mtp-ngram"].timings["draft"]["verify_steps"] > 0 and outs["mtp-attn"].timings["draft"]["accepted"] > 0
     assert outs["mtp-tree"].timings["draft"]["verify_steps"] > 0
+    assert outs["mtp-attn-tree"].token_ids == outs["none"].token_ids and outs["mtp-attn-tree"].timings["draft"]["accepted"]
     assert outs["ngram"].timings["draft"]["accepted"] > 0
 
 

@@ -10,7 +10,7 @@ from edge_runtime.engine.completion import build_prompt, prompt_ids
 from edge_runtime.engine.generator import generate_stream
 from edge_runtime.engine.sampler import Sampler
 from edge_runtime.request import GenerationRequest, SamplingParams
-from edge_runtime.spec.tree import DraftTree, TreeGain, TreeSpeculator
+from edge_runtime.spec.tree import DraftTree, TreeDrafter, TreeGain, TreeSpeculator
 
 from tests.edge_runtime.spec.test_spec_decode import A, ROOT, TableRunner, chi_square_p, table  # noqa: F401
 
@@ -89,6 +89,37 @@ def test_grown_tree_is_depth_first_ranked_and_prunes_to_trees(native_backend, tr
     first = max(tree.children[0], key=lambda t: -tree.ranks[tree.children[0][t]])
     path = tree.follow([first, -5])
     assert path == [tree.children[0][first]]
+
+
+class NextTokensHead:
+    """A head whose drafts after token t are t + 1, then t + 2 (every path alike): a tree's shape is known."""
+    vocab = list(range(20))
+
+    def first_state(self, hidden):
+        return torch.zeros(1, 1)
+
+    def head_step(self, states, tokens):
+        logits = torch.full((len(tokens), 20), -10.0)
+        for r, t in enumerate(tokens):
+            logits[r, (t + 1) % 20], logits[r, (t + 2) % 20] = 2.0, 1.0
+        return torch.zeros(len(tokens), 1), logits
+
+
+def test_prompt_lookups_chain_is_a_branch_ranked_first_and_merged_where_the_head_drafts_it():
+    """--draft mtp-attn-ngram-tree: prompt lookup's chain (6, 9, 3 after 5) goes into the tree first, ranked
+    0, 1, 2; the head's own first draft after 5 is 6 as well, so that node is the lookup's and the head's
+    drafts under it (7, 8) hang off it; nothing appears twice under one parent."""
+    drafter = TreeDrafter(None, size=15, width=2, depth=3)
+    tree = drafter.grow(None, 5, 8, 3, head=NextTokensHead(), lookup=[6, 9, 3])
+    assert tree.size == 8
+    lookup = tree.follow([6, 9, 3])
+    assert len(lookup) == 3 and [tree.ranks[i] for i in lookup] == [0, 1, 2]
+    assert tree.top(3).tokens == [5, 6, 9, 3]  # the three best drafts: the lookup chain alone
+    assert sorted(tree.children[0]) == [6, 7] and sorted(tree.children[lookup[0]]) == [7, 8, 9]
+    for i, kids in enumerate(tree.children):  # a token once per parent, every node counted there
+        assert len(kids) == sum(p == i for p in tree.parents)
+    plain = drafter.grow(None, 5, 8, 3, head=NextTokensHead())
+    assert len(plain.follow([6, 7, 8])) == 3 and len(plain.follow([6, 9])) == 1  # without lookup: no 9 after 6
 
 
 def test_tree_gain_scores_every_size_against_the_answer():
