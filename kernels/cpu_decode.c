@@ -1009,3 +1009,134 @@ void rows_argmax(const float* x, int M, int N, int64_t* out) {
         out[m] = best;
     }
 }
+
+/* One level of a draft tree grown from the attention head (edge_runtime/spec/attn_drafter.py: tree_step):
+ * attn_head_chain's step s for F frontier nodes at once (F <= 8). root (dims[12] = 1, F = 1, s = 0): the
+ * chain's step 0, from zlast (the last fed row's fused input) at position n - 1 over the answer's n keys.
+ * Otherwise node f fuses its parent's state h [F, dim] with its token's embedding e [F, dim]; its query, key
+ * and value sit at position n + s (s: the keys on its parent's path below the root); it attends over the
+ * answer's keys (kc, vc [H, cap, head_dim], the first n), its parent's path (pk, pv [F, H, s, head_dim]) and
+ * its own key, in that order (the chain's), and its rotated key and value go out in knew, vnew [F, H,
+ * head_dim]. Out: state [F, dim] and the draft vocabulary's logits [F, n_vocab]. dims: dim, heads, head_dim,
+ * hidden, n_vocab, threads, the weights' kind code (+ 16: packed), arith, n, F, s, cap, root. w: w_in, w_qkv,
+ * w_o, w_gate_up, w_down, the draft vocabulary's rows (attn_head_chain's w[1..6]); g: g_h, g_e, g_a, g_m, g_o.
+ * Returns 0, a GEMV's rc, -1 (bad shapes) or -2 (memory). */
+int attn_head_tree_level(const int* dims, float eps, float scale, const uint8_t** w, const float** g,
+                         const float* h, const float* e, const float* zlast, const float* kc, const float* vc,
+                         const float* pk, const float* pv, const float* freqs, float* knew, float* vnew,
+                         float* state, float* logits) {
+    const int dim = dims[0], H = dims[1], hd = dims[2], hidden = dims[3], n_vocab = dims[4];
+    const int nt = dims[5] > 1 ? dims[5] : 1, kind = dims[6], arith = dims[7], n = dims[8], F = dims[9];
+    const int s = dims[10], cap = dims[11], root = dims[12], qd = H * hd, keys = root ? n : n + s + 1;
+    if (F < 1 || F > 8 || n < 1 || n > cap || s < 0 || (root && (F != 1 || s)) || dim % 32 || hidden % 32
+        || qd % 32 || hd % 2)
+        return -1;
+    int kmax = 2 * dim > hidden ? 2 * dim : hidden;
+    kmax = kmax > qd ? kmax : qd;
+    const size_t nf = (size_t)F * (7 * (size_t)dim + 4 * (size_t)qd + 3 * (size_t)hidden) + (size_t)F * H * keys;
+    float* buf = aligned_alloc(64, (sizeof(float) * nf + 63) / 64 * 64);
+    const size_t wsb = arith ? qgemm_workspace(kmax, F) : sizeof(float) * (size_t)F * (kmax / 32);
+    void* ws = aligned_alloc(64, (wsb + 63) / 64 * 64);
+    if (!buf || !ws) {
+        free(buf);
+        free(ws);
+        return -2;
+    }
+    float* a = buf;                                  /* [F, 2 dim]: [rms(h) g_h | rms(e) g_e] */
+    float* z = a + (size_t)F * 2 * dim;              /* [F, dim]: the layer's input (the residual) */
+    float* xq = z + (size_t)F * dim;                 /* [F, dim]: rms(z) g_a */
+    float* qkv = xq + (size_t)F * dim;               /* [F, 3 qd] */
+    float* att = qkv + (size_t)F * 3 * qd;           /* [F, qd]: the heads' outputs */
+    float* o = att + (size_t)F * qd;                 /* [F, dim] */
+    float* xm = o + (size_t)F * dim;                 /* [F, dim]: rms(z + o) g_m */
+    float* dn = xm + (size_t)F * dim;                /* [F, dim] */
+    float* gu = dn + (size_t)F * dim;                /* [F, 2 hidden] */
+    float* act = gu + (size_t)F * 2 * hidden;        /* [F, hidden] */
+    float* sc = act + (size_t)F * hidden;            /* [F, H, keys]: scores */
+    const int pos = root ? n - 1 : n + s;
+    team_barrier bar;
+    team_barrier_init(&bar, 1);
+    int rc_all = 0;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        const int t = team_enter(&bar), T = bar.n;
+        int rc = 0;
+        if (root) {
+            if (t == 0) memcpy(z, zlast, sizeof(float) * dim);
+        } else {
+            for (int f = t; f < F; f += T) {
+                decode_add_rmsnorm((float*)h + (size_t)f * dim, NULL, g[0], dim, eps, a + (size_t)f * 2 * dim);
+                decode_add_rmsnorm((float*)e + (size_t)f * dim, NULL, g[1], dim, eps, a + (size_t)f * 2 * dim + dim);
+            }
+            team_sync(&bar);
+            rc = team_gemm(kind, arith, w[0], dim, 2 * dim, a, F, z, ws, t, &bar);
+        }
+        team_sync(&bar);
+        for (int f = t; f < F && !rc; f += T) decode_add_rmsnorm(z + (size_t)f * dim, NULL, g[2], dim, eps, xq + (size_t)f * dim);
+        team_sync(&bar);
+        if (!rc) rc = team_gemm(kind, arith, w[1], 3 * qd, dim, xq, F, qkv, ws, t, &bar);
+        team_sync(&bar);
+        for (int fj = t; fj < F * H && !rc; fj += T) { /* queries and the nodes' own keys, rotated */
+            const int f = fj / H, j = fj % H;
+            float* q = qkv + (size_t)f * 3 * qd + (size_t)j * hd;
+            rope_pair(q, hd, freqs, pos);
+            if (!root) {
+                float* kr = knew + (size_t)fj * hd;
+                memcpy(kr, q + qd, sizeof(float) * hd);
+                rope_pair(kr, hd, freqs, pos);
+                memcpy(vnew + (size_t)fj * hd, q + 2 * qd, sizeof(float) * hd);
+            }
+        }
+        team_sync(&bar);
+        for (int fj = t; fj < F * H && !rc; fj += T) { /* node f, head j: the answer's keys, its path's, its own */
+            const int f = fj / H, j = fj % H;
+            const float* qj = qkv + (size_t)f * 3 * qd + (size_t)j * hd;
+            float* sj = sc + (size_t)fj * keys;
+            const float* path_k = pk + (size_t)fj * s * hd;
+            const float* path_v = pv + (size_t)fj * s * hd;
+            for (int p = 0; p < keys; p++) {
+                const float* kr = p < n ? kc + ((size_t)j * cap + p) * hd
+                                        : p < n + s ? path_k + (size_t)(p - n) * hd : knew + (size_t)fj * hd;
+                sj[p] = dot(qj, kr, hd) * scale;
+            }
+            float mx = -INFINITY, sum = 0.0f;
+            for (int p = 0; p < keys; p++) mx = sj[p] > mx ? sj[p] : mx;
+            for (int p = 0; p < keys; p++) sum += (sj[p] = exp_ieee(sj[p] - mx));
+            const float r = 1.0f / sum;
+            float* oj = att + (size_t)f * qd + (size_t)j * hd;
+            for (int i = 0; i < hd; i++) oj[i] = 0.0f;
+            for (int p = 0; p < keys; p++) {
+                const float pr = sj[p] * r;
+                const float* vr = p < n ? vc + ((size_t)j * cap + p) * hd
+                                        : p < n + s ? path_v + (size_t)(p - n) * hd : vnew + (size_t)fj * hd;
+                for (int i = 0; i < hd; i++) oj[i] += pr * vr[i];
+            }
+        }
+        team_sync(&bar);
+        if (!rc) rc = team_gemm(kind, arith, w[2], dim, qd, att, F, o, ws, t, &bar);
+        team_sync(&bar);
+        for (int f = t; f < F && !rc; f += T) { /* o = z + W_o attn: the residual after attention */
+            float* of = o + (size_t)f * dim;
+            for (int i = 0; i < dim; i++) of[i] += z[(size_t)f * dim + i];
+            decode_add_rmsnorm(of, NULL, g[3], dim, eps, xm + (size_t)f * dim);
+        }
+        team_sync(&bar);
+        if (!rc) rc = team_gemm(kind, arith, w[3], 2 * hidden, dim, xm, F, gu, ws, t, &bar);
+        team_sync(&bar);
+        if (!rc) {
+            const int i0 = hidden / 8 * t / T * 8, i1 = t == T - 1 ? hidden : hidden / 8 * (t + 1) / T * 8;
+            for (int f = 0; f < F; f++) silu_mul_range(gu + (size_t)f * 2 * hidden, hidden, act + (size_t)f * hidden, i0, i1);
+        }
+        team_sync(&bar);
+        if (!rc) rc = team_gemm(kind, arith, w[4], dim, hidden, act, F, dn, ws, t, &bar);
+        team_sync(&bar);
+        for (int f = t; f < F && !rc; f += T)
+            decode_add_rmsnorm(o + (size_t)f * dim, dn + (size_t)f * dim, g[4], dim, eps, state + (size_t)f * dim);
+        team_sync(&bar);
+        if (!rc) rc = team_gemm(kind, arith, w[5], n_vocab, dim, state, F, logits, ws, t, &bar);
+        if (t == 0) rc_all = rc;
+    }
+    free(ws);
+    free(buf);
+    return rc_all;
+}

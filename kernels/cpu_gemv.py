@@ -165,6 +165,9 @@ class _Library:
         self.attn_head_chain = self.lib.attn_head_chain
         self.attn_head_chain.argtypes = [p, f, f, p, p, p, p, p, p, p, p, p, p, p]
         self.attn_head_chain.restype = ctypes.c_int
+        self.attn_head_tree_level = self.lib.attn_head_tree_level
+        self.attn_head_tree_level.argtypes = [p, f, f, p, p] + [p] * 12
+        self.attn_head_tree_level.restype = ctypes.c_int
         self.kv_store_rows = self.lib.decode_kv_store_rows
         self.kv_store_rows.argtypes, self.kv_store_rows.restype = [p, p, i, i, p, i, i, i, p], None
 

@@ -128,6 +128,7 @@ class AttnDrafter:
             self._keep = tuple(m.blocks for m in mats) + gains
             self._w = (ctypes.c_void_p * 7)(*(m.blocks.data_ptr() for m in mats))
             self._g = (ctypes.c_void_p * 6)(*(x.data_ptr() for x in gains))
+            self._w_tree, self._g_tree = (ctypes.c_void_p * 6)(*self._w[1:]), (ctypes.c_void_p * 5)(*self._g[1:])
             self._dims = [self.dim, self.heads, self.head_dim, head.hidden, len(self.vocab), 1 + len(self.taps)]
             self._arith = [self.w_in.kind, int(self.w_in.integer)]
 
@@ -264,6 +265,8 @@ class AttnDrafter:
         at the root: the last fed token, already in the cache) -> the children's states and their
         draft-vocabulary logits [F, len(vocab)]. A child at depth s is the chain's step s for its path."""
         n = chain.n
+        if self.lib is not None:
+            return self._c_tree_step(chain, states, tokens)
         if states.state is None:  # the root: the chain's step 0
             z, k, v = states.z, states.k, states.v
             q = self._qkv(z, n - 1)[0]
@@ -280,3 +283,25 @@ class AttnDrafter:
         attn = attn + torch.einsum("fhs,fhsd->fhd", p[..., n:], v)
         state = self._out(z, attn.transpose(0, 1))
         return TreeStates(state, k, v), self.rows(state)
+
+    def _c_tree_step(self, chain: AttnChain, states: TreeStates, tokens: list[int]):
+        """tree_step in one C call (kernels/cpu_decode.c: attn_head_tree_level)."""
+        from kernels import cpu_gemv
+
+        root, F, s = states.state is None, len(tokens), states.k.shape[2]
+        h = torch.zeros(1) if root else states.state.float().contiguous()
+        e = torch.zeros(1) if root else self._emb(tokens).contiguous()
+        pk, pv = (torch.zeros(1), torch.zeros(1)) if root else (states.k.contiguous(), states.v.contiguous())
+        knew, vnew = torch.empty(F, self.heads, self.head_dim), torch.empty(F, self.heads, self.head_dim)
+        state, logits = torch.empty(F, self.dim), torch.empty(F, len(self.vocab))
+        dims = (ctypes.c_int * 13)(*self._dims[:5], cpu_gemv.threads(), *self._arith, chain.n, F, s, chain.k.shape[1],
+                                   int(root))
+        rc = self.lib.attn_head_tree_level(dims, self.eps, self.scale, self._w_tree, self._g_tree, h.data_ptr(),
+                                           e.data_ptr(), chain.zlast.data_ptr(), chain.k.data_ptr(), chain.v.data_ptr(),
+                                           pk.data_ptr(), pv.data_ptr(), self.freqs.data_ptr(), knew.data_ptr(),
+                                           vnew.data_ptr(), state.data_ptr(), logits.data_ptr())
+        if rc:
+            raise ValueError(f"attn_head_tree_level rejected its arguments (n={chain.n}, F={F}, s={s}): rc={rc}")
+        if not root:  # the nodes' own keys and values join their paths'
+            states = TreeStates(None, torch.cat([states.k, knew[:, :, None]], 2), torch.cat([states.v, vnew[:, :, None]], 2))
+        return TreeStates(state, states.k, states.v), logits

@@ -147,12 +147,40 @@ def test_a_tree_grown_from_a_chain_drafts_along_every_path_what_the_chain_forced
         line = TreeDrafter(drafter, size=4, width=1, depth=4).grow(None, tokens[t], 4, 4, head=chain)
         assert line.tokens[1:] == chain.propose(tokens[:t + 1], 4) and line.parents == [-1, 0, 1, 2, 3]
     assert checked >= 20
-    c = AttnDrafter(head, lambda ids: table[ids], fast=False, c_step=True)
+
+
+def test_the_c_tree_level_grows_what_the_torch_path_on_the_same_q8_weights_grows():
+    """kernels/cpu_decode.c's attn_head_tree_level (a level of the tree in one call) against tree_step's torch
+    path on the same Q8 matrices: the same states and logits to float rounding, so the same trees; a tree one
+    wide drafts what the C chain drafts."""
+    from edge_runtime.spec.tree import TreeDrafter
+
+    head, table = random_head(seed=6)
+    c, ref = (AttnDrafter(head, lambda ids: table[ids], c_step=s) for s in (True, False))
     if c.lib is None:
-        return
-    chains = (c.new_chain(), drafter.new_chain())
-    for ch in chains:
-        for j in range(T):
-            ch.feed(feats[j], tokens[j])
-    a, b = (trees.grow(None, tokens[-1], 15, 4, head=ch) for ch in chains)
-    assert sum(x == y for x, y in zip(a.tokens, b.tokens)) >= 14 and chains[0].n == chains[1].n == T
+        pytest.skip("C kernels unavailable here")
+    torch.manual_seed(4)
+    T = 30
+    feats, tokens = torch.randn(T, 3 * DIM), torch.randint(0, VOCAB, (T,)).tolist()
+    chains, same, total = (c.new_chain(), ref.new_chain()), 0, 0
+    for t in (0, 9, 10, 29):
+        for ch in chains:
+            for j in range(ch.n + len(ch.pending), t + 1):
+                ch.feed(feats[j], tokens[j])
+        starts = [d.tree_root(ch) for d, ch in zip((c, ref), chains)]
+        a, b = (d.tree_step(ch, st, [tokens[t]]) for d, ch, st in zip((c, ref), chains, starts))
+        for _ in range(3):  # the root's level, then three levels of the same four nodes
+            assert torch.allclose(a[1], b[1], atol=1e-3, rtol=1e-3) and torch.allclose(a[0].k, b[0].k, atol=1e-4)
+            kids = [int(i) for i in b[1][0].topk(4).indices] if a[0].state.shape[0] == 1 else \
+                [int(i) for i in b[1].argmax(1)]
+            rows = [0] * 4 if a[0].state.shape[0] == 1 else list(range(4))
+            toks = [c.vocab[i] for i in kids]
+            a = c.tree_step(chains[0], a[0][rows], toks)
+            b = ref.tree_step(chains[1], b[0][rows], toks)
+        grown = [TreeDrafter(d, size=15, width=4, depth=4).grow(None, tokens[t], 15, 4, head=ch)
+                 for d, ch in zip((c, ref), chains)]
+        same, total = same + sum(x == y for x, y in zip(grown[0].tokens, grown[1].tokens)), total + 16
+        line = TreeDrafter(c, size=4, width=1, depth=4).grow(None, tokens[t], 4, 4, head=chains[0])
+        assert line.tokens[1:] == chains[0].propose(tokens[:t + 1], 4)
+        assert chains[0].n == chains[1].n == t + 1
+    assert same >= 0.9 * total, (same, total)
