@@ -23,7 +23,8 @@ last two tokens or more match earlier ones, else the heads' chain (speculative.p
 with an acceptance estimate of its own. "mtp-attn" and "mtp-attn-ngram" are "mtp" and "mtp-ngram" with the
 attention head (spec/attn_drafter.py): each job then drafts from its own `AttnChain`, which the engine feeds
 every sampled token with the features of the row that chose it (`JobDrafts.feed`); "mtp-attn-tree" grows
-"mtp-tree"'s trees from that chain.
+"mtp-tree"'s trees from that chain, and "mtp-attn-ngram-tree" adds prompt lookup's chain to each tree as a
+branch where the last two tokens match (`TreeDrafter.grow`'s `lookup`).
 
 It knows nothing about requests, text or the model's arithmetic.
 """
@@ -129,8 +130,9 @@ class StepDrafter:
     def __init__(self, method: str, max_rows: int, mtp=None, fixed_k: int | None = None):
         """method: "ngram", "mtp", "mtp-ngram" (prompt lookup where the last two tokens or more match, else the
         heads' chain), "mtp-tree" (with `mtp`, an MtpDrafter, for all but "ngram") or "mtp-attn" (`mtp`: an
-        AttnDrafter; "mtp-attn-ngram", "mtp-attn-tree": "mtp-ngram", "mtp-tree" with it); fixed_k: always that many
-        drafts when the proposer has them (for measuring acceptance at a given k), else the planner decides."""
+        AttnDrafter; "mtp-attn-ngram", "mtp-attn-tree": "mtp-ngram", "mtp-tree" with it; "mtp-attn-ngram-tree":
+        its trees with prompt lookup's chain as a branch); fixed_k: always that many drafts when the proposer has
+        them (for measuring acceptance at a given k), else the planner decides."""
         if method not in DRAFTS[1:]:
             raise ValueError(f"the batch engine drafts with {' or '.join(DRAFTS)}, not {method!r}")
         if method != "ngram" and mtp is None:
@@ -218,7 +220,7 @@ class StepDrafter:
             if est is job.drafts.tree:
                 depth = min(self.tree.depth, offer, k)  # offer: the room left; k drafts reach at most k deep
                 lookup = (lookups[id(chunk)] or [])[:k]
-                # the attention head grows it from this answer's chain
+                # from this answer's chain where the attention head drafts (None: the MLP heads)
                 cand = self.tree.grow(job.hidden, chunk.seq.token_ids[-1], self.tree.size, depth, job.drafts.chain,
                                       lookup)
                 self._head_time(time.perf_counter() - t0, depth)

@@ -17,7 +17,8 @@ drafts are accepted.
 Trees (`--draft mtp-attn-tree`): an `AttnChain` is also the head `TreeDrafter.grow` (spec/tree.py) steps,
 one level of the tree at a time. A node at depth s is the chain's step s for the path above it: its query
 attends over the answer's keys and the keys of its own ancestors below the root (`TreeStates`), so every
-path of the tree is the chain those drafts would have made, to float rounding (torch, fp32 attention).
+path of the tree is the chain those drafts would have made, to float rounding (a level one C call,
+kernels/cpu_decode.c: attn_head_tree_level, where the kernels run; torch otherwise).
 """
 from __future__ import annotations
 
