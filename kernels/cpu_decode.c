@@ -791,6 +791,38 @@ static void rope_pair(float* x, int hd, const float* freqs, int pos) {
     }
 }
 
+/* One head's attention for one query q [hd] over `runs` runs of keys and values (run r: k[r], v[r], count[r]
+ * rows of hd floats one after another), in that order: scores scaled, softmax with exp_ieee (every build: no
+ * AVX2 needed), out [hd] the weighted sum. sc: scratch for the scores (the runs' total). */
+static void attend_runs(const float* q, int hd, float scale, int runs, const float* const* k, const float* const* v,
+                        const int* count, float* sc, float* out) {
+    int keys = 0;
+    for (int r = 0; r < runs; r++)
+        for (int p = 0; p < count[r]; p++) sc[keys++] = dot(q, k[r] + (size_t)p * hd, hd) * scale;
+    float mx = -INFINITY, sum = 0.0f;
+    for (int p = 0; p < keys; p++) mx = sc[p] > mx ? sc[p] : mx;
+    for (int p = 0; p < keys; p++) sum += (sc[p] = exp_ieee(sc[p] - mx));
+    const float inv = 1.0f / sum;
+    for (int i = 0; i < hd; i++) out[i] = 0.0f;
+    for (int r = 0, p = 0; r < runs; r++)
+        for (int e = 0; e < count[r]; e++, p++) {
+            const float pr = sc[p] * inv, *vr = v[r] + (size_t)e * hd;
+            for (int i = 0; i < hd; i++) out[i] += pr * vr[i];
+        }
+}
+
+/* A draft head call's scratch: `floats` fp32 values and the GEMV workspace for `rows` rows of at most kmax
+ * inputs (arith: cpu_qgemm's 8-bit activations, else cpu_gemv's). Returns 0, or -2 with nothing held. */
+static int head_scratch(size_t floats, int kmax, int rows, int arith, float** buf, void** ws) {
+    *buf = aligned_alloc(64, (sizeof(float) * floats + 63) / 64 * 64);
+    const size_t wsb = arith ? qgemm_workspace(kmax, rows) : sizeof(float) * (size_t)rows * (kmax / 32);
+    *ws = aligned_alloc(64, (wsb + 63) / 64 * 64);
+    if (*buf && *ws) return 0;
+    free(*buf);
+    free(*ws);
+    return -2;
+}
+
 static double seconds_now(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -826,14 +858,9 @@ int attn_head_chain(const int* dims, float eps, float scale, const uint8_t** w, 
     kmax = kmax > qd ? kmax : qd;
     const size_t nf = (size_t)M * ((size_t)parts * dim + 5 * dim + 3 * (size_t)qd) + qd + 3 * (size_t)dim
                       + 3 * (size_t)hidden + n_vocab + (size_t)H * (N + k);
-    float* buf = aligned_alloc(64, (sizeof(float) * nf + 63) / 64 * 64);
-    const size_t wsb = arith ? qgemm_workspace(kmax, M) : sizeof(float) * (size_t)M * (kmax / 32);
-    void* ws = aligned_alloc(64, (wsb + 63) / 64 * 64);
-    if (!buf || !ws) {
-        free(buf);
-        free(ws);
-        return -2;
-    }
+    float* buf;
+    void* ws;
+    if (head_scratch(nf, kmax, M, arith, &buf, &ws)) return -2;
     float* u = buf;                                  /* [M, parts * dim]: the normed features */
     float* a = u + (size_t)M * parts * dim;          /* [M, 2 dim]: [rms(h) g_h | rms(e) g_e] */
     float* hf = a + (size_t)M * 2 * dim;             /* [M, dim]: the fused features */
@@ -907,19 +934,10 @@ int attn_head_chain(const int* dims, float eps, float scale, const uint8_t** w, 
             }
             const int keys = N + s;
             for (int j = t; j < H && !rc; j += T) { /* head j over the answer's keys and the chain's so far */
-                float* sj = sc + (size_t)j * (N + k);
-                const float* qj = q + (size_t)j * hd;
-                for (int p = 0; p < keys; p++) sj[p] = dot(qj, kc + ((size_t)j * cap + p) * hd, hd) * scale;
-                float mx = -INFINITY, sum = 0.0f; /* softmax with exp_ieee (every build: no AVX2 needed) */
-                for (int p = 0; p < keys; p++) mx = sj[p] > mx ? sj[p] : mx;
-                for (int p = 0; p < keys; p++) sum += (sj[p] = exp_ieee(sj[p] - mx));
-                const float r = 1.0f / sum;
-                float* oj = att + (size_t)j * hd;
-                for (int i = 0; i < hd; i++) oj[i] = 0.0f;
-                for (int p = 0; p < keys; p++) {
-                    const float pr = sj[p] * r, *vr = vc + ((size_t)j * cap + p) * hd;
-                    for (int i = 0; i < hd; i++) oj[i] += pr * vr[i];
-                }
+                const float* kv[2] = {kc + (size_t)j * cap * hd, vc + (size_t)j * cap * hd};
+                const int count = keys;
+                attend_runs(q + (size_t)j * hd, hd, scale, 1, &kv[0], &kv[1], &count, sc + (size_t)j * (N + k),
+                            att + (size_t)j * hd);
             }
             team_sync(&bar);
             if (!rc) rc = team_gemm(kind, arith, w[3], dim, qd, att, 1, o, ws, t, &bar);
@@ -1034,14 +1052,9 @@ int attn_head_tree_level(const int* dims, float eps, float scale, const uint8_t*
     int kmax = 2 * dim > hidden ? 2 * dim : hidden;
     kmax = kmax > qd ? kmax : qd;
     const size_t nf = (size_t)F * (7 * (size_t)dim + 4 * (size_t)qd + 3 * (size_t)hidden) + (size_t)F * H * keys;
-    float* buf = aligned_alloc(64, (sizeof(float) * nf + 63) / 64 * 64);
-    const size_t wsb = arith ? qgemm_workspace(kmax, F) : sizeof(float) * (size_t)F * (kmax / 32);
-    void* ws = aligned_alloc(64, (wsb + 63) / 64 * 64);
-    if (!buf || !ws) {
-        free(buf);
-        free(ws);
-        return -2;
-    }
+    float* buf;
+    void* ws;
+    if (head_scratch(nf, kmax, F, arith, &buf, &ws)) return -2;
     float* a = buf;                                  /* [F, 2 dim]: [rms(h) g_h | rms(e) g_e] */
     float* z = a + (size_t)F * 2 * dim;              /* [F, dim]: the layer's input (the residual) */
     float* xq = z + (size_t)F * dim;                 /* [F, dim]: rms(z) g_a */
@@ -1090,27 +1103,11 @@ int attn_head_tree_level(const int* dims, float eps, float scale, const uint8_t*
         team_sync(&bar);
         for (int fj = t; fj < F * H && !rc; fj += T) { /* node f, head j: the answer's keys, its path's, its own */
             const int f = fj / H, j = fj % H;
-            const float* qj = qkv + (size_t)f * 3 * qd + (size_t)j * hd;
-            float* sj = sc + (size_t)fj * keys;
-            const float* path_k = pk + (size_t)fj * s * hd;
-            const float* path_v = pv + (size_t)fj * s * hd;
-            for (int p = 0; p < keys; p++) {
-                const float* kr = p < n ? kc + ((size_t)j * cap + p) * hd
-                                        : p < n + s ? path_k + (size_t)(p - n) * hd : knew + (size_t)fj * hd;
-                sj[p] = dot(qj, kr, hd) * scale;
-            }
-            float mx = -INFINITY, sum = 0.0f;
-            for (int p = 0; p < keys; p++) mx = sj[p] > mx ? sj[p] : mx;
-            for (int p = 0; p < keys; p++) sum += (sj[p] = exp_ieee(sj[p] - mx));
-            const float r = 1.0f / sum;
-            float* oj = att + (size_t)f * qd + (size_t)j * hd;
-            for (int i = 0; i < hd; i++) oj[i] = 0.0f;
-            for (int p = 0; p < keys; p++) {
-                const float pr = sj[p] * r;
-                const float* vr = p < n ? vc + ((size_t)j * cap + p) * hd
-                                        : p < n + s ? path_v + (size_t)(p - n) * hd : vnew + (size_t)fj * hd;
-                for (int i = 0; i < hd; i++) oj[i] += pr * vr[i];
-            }
+            const float* ks[3] = {kc + (size_t)j * cap * hd, pk + (size_t)fj * s * hd, knew + (size_t)fj * hd};
+            const float* vs[3] = {vc + (size_t)j * cap * hd, pv + (size_t)fj * s * hd, vnew + (size_t)fj * hd};
+            const int count[3] = {n, s, 1};
+            attend_runs(qkv + (size_t)f * 3 * qd + (size_t)j * hd, hd, scale, root ? 1 : 3, ks, vs, count,
+                        sc + (size_t)fj * keys, att + (size_t)f * qd + (size_t)j * hd);
         }
         team_sync(&bar);
         if (!rc) rc = team_gemm(kind, arith, w[2], dim, qd, att, F, o, ws, t, &bar);

@@ -111,6 +111,19 @@ def _run(backend, draft: str, k: int | None, prompt: str, max_tokens: int, tally
     tally.add(backend.generate(req))
 
 
+def _trees(res: dict, mt: dict, tree: int, key: str, row: str, tally: str) -> dict:
+    """One drafter's tree figures into `res`: its trees of `tree` drafts (tally `tally`_k: `key`.tree_mean_accepted,
+    acceptance per depth, speed-up) and of the adaptive size (`tally`); returns the adaptive row."""
+    plain = mt["plain"].summary()
+    tk, ta = mt[f"{tally}_k"].summary(mt["plain"]), mt[tally].summary(mt["plain"])
+    res["mt_bench"].update({f"native_{row}_{tree}": tk, f"native_{row}": ta})
+    res[f"{key}.tree_mean_accepted"] = tk.get("mean_accepted", 0.0)
+    res[f"{key}.tree_acceptance_per_depth"] = tk.get("acceptance_per_position", [])
+    res[f"{key}.tree{tree}.speedup_over_plain"] = round(tk["tok_s"] / plain["tok_s"], 3)
+    res[f"{key}.tree.speedup_over_plain"] = round(ta["tok_s"] / plain["tok_s"], 3)
+    return ta
+
+
 class LlamaWorker:
     """llama.cpp's rows, generated in a process of its own that lives for the whole run; the prompts go
     one at a time (a JSON line in, the result's figures and token ids back), so they still run between
@@ -272,12 +285,7 @@ def run_spec_bench(args) -> int:
         res["mtp_ngram.mean_accepted"] = nk.get("mean_accepted", 0.0)
         res["mtp_ngram.acceptance_per_position"] = nk.get("acceptance_per_position", [])
         res[f"mtp_ngram.k{k}.speedup_over_plain"] = round(nk["tok_s"] / plain["tok_s"], 3)
-        tk, ta = mt["tree_k"].summary(mt["plain"]), mt["tree"].summary(mt["plain"])
-        res["mt_bench"].update({f"native_mtp_tree_{tree}": tk, "native_mtp_tree": ta})
-        res["mtp.tree_mean_accepted"] = tk.get("mean_accepted", 0.0)
-        res["mtp.tree_acceptance_per_depth"] = tk.get("acceptance_per_position", [])
-        res[f"mtp.tree{tree}.speedup_over_plain"] = round(tk["tok_s"] / plain["tok_s"], 3)
-        res["mtp.tree.speedup_over_plain"] = round(ta["tok_s"] / plain["tok_s"], 3)
+        ta = _trees(res, mt, tree, "mtp", "mtp_tree", "tree")
         res["mtp.tree.speedup_over_llama_cpp"] = round(ta["tok_s"] / lplain["tok_s"], 3)
     else:
         res["mtp"] = "no MTP heads ship for this model: run `edge-runtime train-mtp`"
@@ -298,18 +306,8 @@ def run_spec_bench(args) -> int:
         res["mtp_attn_ngram.speedup_over_plain"] = round(na["tok_s"] / plain["tok_s"], 3)
         res["mtp_attn_ngram.speedup_over_plain_grounded"] = round(
             res["grounded"]["native_mtp_attn_ngram"]["tok_s"] / gplain["tok_s"], 3)
-        tk, ta = mt["attn_tree_k"].summary(mt["plain"]), mt["attn_tree"].summary(mt["plain"])
-        res["mt_bench"].update({f"native_mtp_attn_tree_{tree}": tk, "native_mtp_attn_tree": ta})
-        res["mtp_attn.tree_mean_accepted"] = tk.get("mean_accepted", 0.0)
-        res["mtp_attn.tree_acceptance_per_depth"] = tk.get("acceptance_per_position", [])
-        res[f"mtp_attn.tree{tree}.speedup_over_plain"] = round(tk["tok_s"] / plain["tok_s"], 3)
-        res["mtp_attn.tree.speedup_over_plain"] = round(ta["tok_s"] / plain["tok_s"], 3)
-        tk, ta = mt["attn_ngram_tree_k"].summary(mt["plain"]), mt["attn_ngram_tree"].summary(mt["plain"])
-        res["mt_bench"].update({f"native_mtp_attn_ngram_tree_{tree}": tk, "native_mtp_attn_ngram_tree": ta})
-        res["mtp_attn_ngram.tree_mean_accepted"] = tk.get("mean_accepted", 0.0)
-        res["mtp_attn_ngram.tree_acceptance_per_depth"] = tk.get("acceptance_per_position", [])
-        res[f"mtp_attn_ngram.tree{tree}.speedup_over_plain"] = round(tk["tok_s"] / plain["tok_s"], 3)
-        res["mtp_attn_ngram.tree.speedup_over_plain"] = round(ta["tok_s"] / plain["tok_s"], 3)
+        _trees(res, mt, tree, "mtp_attn", "mtp_attn_tree", "attn_tree")
+        _trees(res, mt, tree, "mtp_attn_ngram", "mtp_attn_ngram_tree", "attn_ngram_tree")
     res["lossless"] = all(v.get("identical", True) for w in ("mt_bench", "grounded") for name, v in res[w].items()
                           if isinstance(v, dict) and name.startswith("native"))
     res["grounded"]["llama_cpp_ngram"]["note"] = (

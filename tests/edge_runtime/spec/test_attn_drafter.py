@@ -20,6 +20,14 @@ def random_head(seed=0, taps=(1, 2)):
     return head.eval(), table
 
 
+def c_and_torch(head, table):
+    """The head on its Q8 matrices twice: the C calls, and the torch steps (the reference); skips without C."""
+    c, ref = (AttnDrafter(head, lambda ids: table[ids], c_step=s) for s in (True, False))
+    if c.lib is None:
+        pytest.skip("C kernels unavailable here")
+    return c, ref
+
+
 def offline_drafts(head, table, feats, tokens, t, k):
     """`chain` started at t over the answer's first t + 1 rows, its later steps fed the drafts it makes."""
     drafts = []
@@ -66,9 +74,7 @@ def test_the_c_step_drafts_what_the_torch_path_on_the_same_q8_weights_drafts():
     """kernels/cpu_decode.c's attn_head_chain (one call: the rows into the cache, then the chain) against the
     torch steps on the same Q8 matrices: the same GEMVs, the norms and softmax to float rounding."""
     head, table = random_head(seed=3)
-    c, ref = (AttnDrafter(head, lambda ids: table[ids], c_step=s) for s in (True, False))
-    if c.lib is None:
-        pytest.skip("C kernels unavailable here")
+    c, ref = c_and_torch(head, table)
     torch.manual_seed(1)
     T = 40
     feats, tokens = torch.randn(T, 3 * DIM), torch.randint(0, VOCAB, (T,)).tolist()
@@ -91,9 +97,7 @@ def test_a_draft_times_its_chain_apart_from_the_rows_it_takes_in():
     """The planner prices a draft step by the chain's steps alone (the rows fed go into the head's cache
     whatever k is): the C call times its two parts apart, and `chain_seconds` is the chain's."""
     head, table = random_head(seed=3)
-    c, ref = (AttnDrafter(head, lambda ids: table[ids], c_step=s) for s in (True, False))
-    if c.lib is None:
-        pytest.skip("C kernels unavailable here")
+    c, ref = c_and_torch(head, table)
     torch.manual_seed(2)
     feats, tokens = torch.randn(9, 3 * DIM), torch.randint(0, VOCAB, (9,)).tolist()
     chain = c.new_chain()
@@ -156,9 +160,7 @@ def test_the_c_tree_level_grows_what_the_torch_path_on_the_same_q8_weights_grows
     from edge_runtime.spec.tree import TreeDrafter
 
     head, table = random_head(seed=6)
-    c, ref = (AttnDrafter(head, lambda ids: table[ids], c_step=s) for s in (True, False))
-    if c.lib is None:
-        pytest.skip("C kernels unavailable here")
+    c, ref = c_and_torch(head, table)
     torch.manual_seed(4)
     T = 30
     feats, tokens = torch.randn(T, 3 * DIM), torch.randint(0, VOCAB, (T,)).tolist()
