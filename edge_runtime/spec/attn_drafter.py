@@ -265,9 +265,9 @@ class AttnDrafter:
         """One level of a tree for F frontier nodes: the nodes' states and the drafts after them ([F] tokens;
         at the root: the last fed token, already in the cache) -> the children's states and their
         draft-vocabulary logits [F, len(vocab)]. A child at depth s is the chain's step s for its path."""
-        n = chain.n
         if self.lib is not None:
             return self._c_tree_step(chain, states, tokens)
+        n = chain.n
         if states.state is None:  # the root: the chain's step 0
             z, k, v = states.z, states.k, states.v
             q = self._qkv(z, n - 1)[0]
@@ -303,6 +303,7 @@ class AttnDrafter:
                                            vnew.data_ptr(), state.data_ptr(), logits.data_ptr())
         if rc:
             raise ValueError(f"attn_head_tree_level rejected its arguments (n={chain.n}, F={F}, s={s}): rc={rc}")
+        k, v = states.k, states.v
         if not root:  # the nodes' own keys and values join their paths'
-            states = TreeStates(None, torch.cat([states.k, knew[:, :, None]], 2), torch.cat([states.v, vnew[:, :, None]], 2))
-        return TreeStates(state, states.k, states.v), logits
+            k, v = torch.cat([k, knew[:, :, None]], 2), torch.cat([v, vnew[:, :, None]], 2)
+        return TreeStates(state, k, v), logits
