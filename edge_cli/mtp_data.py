@@ -196,8 +196,8 @@ def _prompt(backend, messages: list[dict], max_tokens: int) -> list[int]:
 
 @torch.inference_mode()
 def add_taps(backend, jobs: list[tuple], records: list[dict], max_tokens: int) -> list[dict]:
-    """`records` (answers to `jobs`, made without taps) with the layers of `backend.model.taps` added to each
-    hidden row (`transformer.features`), by running prompt and answer again through the fused step's chunks,
+    """`records` (answers to `jobs`, made without taps or with others) with the layers of `backend.model.taps` in
+    each hidden row (`transformer.features`), by running prompt and answer again through the fused step's chunks,
     whose rows are the one-token step's bit for bit: so the result equals answering with the taps on, and the
     final states must come out equal to the recorded ones (checked; a mismatch raises)."""
     model, runner = backend.model, backend.runner
@@ -207,7 +207,7 @@ def add_taps(backend, jobs: list[tuple], records: list[dict], max_tokens: int) -
         runner.reset()
         model.fused.step_chunk(ids + r["tokens"][:n - 1].tolist(), 0, model.identity_table, head="last")
         wide = model.fused.chunk_hidden[len(ids) - 1:len(ids) - 1 + n].to(r["hidden"].dtype)
-        if not torch.equal(wide[:, :model.cfg.dim], r["hidden"]):
+        if not torch.equal(wide[:, :model.cfg.dim], r["hidden"][:, :model.cfg.dim]):  # (a donor's taps follow)
             raise EdgeRuntimeError("train-mtp: the answers recomputed with taps differ from the recorded ones "
                                    "(another build or arithmetic made the shards): answer them again")
         out.append({**r, "hidden": wide})
@@ -283,7 +283,7 @@ def build_shards(backend, out_dir: str, num_prompts: int | None = None, max_toke
     layers too. A shard whose jobs one of the `donors` folders already answered (same model, seed, answer
     length and shard size; another prompt count whose job list holds the same jobs at that place) is taken
     from there rather than generated: copied when the donor has the same taps, recomputed from its answers
-    (`add_taps`, a few times faster than answering) when the donor has none. `limit`: make the first `limit`
+    (`add_taps`, a few times faster than answering) when it has other taps or none. `limit`: make the first `limit`
     shards only (a data size that is a prefix of the job list; the rest can follow in a later run)."""
     taps = list(backend.model.taps)
     prompts = prompt_messages(prompt_set, seed)[:num_prompts]
@@ -337,7 +337,8 @@ def build_shards(backend, out_dir: str, num_prompts: int | None = None, max_toke
 
 def _donors(settings: dict, folders, out_dir: str) -> list[tuple[str, list, list]]:
     """(folder, its taps, its job list) for each of `folders` whose shards can stand in for ours: made for the
-    same model, seed, answer length and shard size, with our taps or none (to add ours to), at our temperatures
+    same model, seed, answer length and shard size, with any taps (ours first: copied; others give their answers
+    to recompute ours from), at our temperatures
     or the first of them (a run that adds a temperature keeps the earlier answers: its jobs come after theirs)."""
     varying = ("prompts", "taps", "temperatures", "blocks")
     fixed = {k: v for k, v in settings.items() if k not in varying}
@@ -349,8 +350,7 @@ def _donors(settings: dict, folders, out_dir: str) -> list[tuple[str, list, list
         with open(path, encoding="utf-8") as f:
             other = json.load(f)
         taps, temps = other.get("taps", []), other["temperatures"]
-        if ({k: v for k, v in other.items() if k not in varying} == fixed and taps in ([], settings.get("taps", []))
-                and temps == settings["temperatures"][:len(temps)]):
+        if {k: v for k, v in other.items() if k not in varying} == fixed and temps == settings["temperatures"][:len(temps)]:
             out.append((folder, taps, _jobs(every[:other["prompts"]], tuple(temps), other.get("blocks"))))
     return sorted(out, key=lambda d: d[1] != settings.get("taps", []))  # copies first
 

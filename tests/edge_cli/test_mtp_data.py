@@ -271,10 +271,17 @@ def test_taps_recomputed_from_untapped_shards_equal_answering_with_taps_on(tmp_p
                                shard_jobs=2, progress=lambda m: None, donors=[plain])
         fresh = build_shards(native_backend, str(tmp_path / "fresh"), num_prompts=2, max_tokens=6, shard_jobs=2,
                              progress=lambda m: None)
+        model.taps = (20,)  # from a donor with other taps: its answers, its final states checked, ours added
+        narrow = build_shards(native_backend, str(tmp_path / "narrow"), num_prompts=2, max_tokens=6,
+                              shard_jobs=2, progress=lambda m: None, donors=[str(tmp_path / "fresh")])
     finally:
         model.taps = kept
-    assert derived["taps"] == fresh["taps"] == [3, 20]
+    assert derived["taps"] == fresh["taps"] == [3, 20] and narrow["taps"] == [20]
     a, b, c = (load_shards(str(tmp_path / n)) for n in ("plain", "derived", "fresh"))
+    d = load_shards(str(tmp_path / "narrow"))
+    assert d["tap_seconds"] > 0 and len(d["records"]) == 4
+    for y, z in zip(d["records"], c["records"]):  # features [final | tap 20]: the (3, 20) rows' first and third
+        assert torch.equal(y["hidden"], torch.cat([z["hidden"][:, :576], z["hidden"][:, 1152:]], 1))
     assert b["tap_seconds"] > 0 and c["tap_seconds"] == 0  # derived from the answers / answered with taps on
     assert len(a["records"]) == len(b["records"]) == len(c["records"]) == 4
     for x, y, z in zip(a["records"], b["records"], c["records"]):
