@@ -283,8 +283,8 @@ def build_shards(backend, out_dir: str, num_prompts: int | None = None, max_toke
     layers too. A shard whose jobs one of the `donors` folders already answered (same model, seed, answer
     length and shard size; another prompt count whose job list holds the same jobs at that place) is taken
     from there rather than generated: copied when the donor has the same taps, recomputed from its answers
-    (`add_taps`, a few times faster than answering) when it has other taps or none. `limit`: make the first `limit`
-    shards only (a data size that is a prefix of the job list; the rest can follow in a later run)."""
+    (`add_taps`, a few times faster than answering) when it has other taps or none. `limit`: make the first
+    `limit` shards only (a data size that is a prefix of the job list; the rest can follow in a later run)."""
     taps = list(backend.model.taps)
     prompts = prompt_messages(prompt_set, seed)[:num_prompts]
     blocks = job_blocks(prompt_set, len(prompts))
@@ -337,9 +337,8 @@ def build_shards(backend, out_dir: str, num_prompts: int | None = None, max_toke
 
 def _donors(settings: dict, folders, out_dir: str) -> list[tuple[str, list, list]]:
     """(folder, its taps, its job list) for each of `folders` whose shards can stand in for ours: made for the
-    same model, seed, answer length and shard size, with any taps (ours first: copied; others give their answers
-    to recompute ours from), at our temperatures
-    or the first of them (a run that adds a temperature keeps the earlier answers: its jobs come after theirs)."""
+    same model, seed, answer length and shard size, with any taps (ours first: copied; others give their answers),
+    at our temperatures or the first of them (a run that adds a temperature keeps the earlier answers: theirs first)."""
     varying = ("prompts", "taps", "temperatures", "blocks")
     fixed = {k: v for k, v in settings.items() if k not in varying}
     every, out = prompt_messages(settings["prompt_set"], settings["seed"]), []  # read once for all donors
@@ -350,7 +349,8 @@ def _donors(settings: dict, folders, out_dir: str) -> list[tuple[str, list, list
         with open(path, encoding="utf-8") as f:
             other = json.load(f)
         taps, temps = other.get("taps", []), other["temperatures"]
-        if {k: v for k, v in other.items() if k not in varying} == fixed and temps == settings["temperatures"][:len(temps)]:
+        same = {k: v for k, v in other.items() if k not in varying} == fixed
+        if same and temps == settings["temperatures"][:len(temps)]:
             out.append((folder, taps, _jobs(every[:other["prompts"]], tuple(temps), other.get("blocks"))))
     return sorted(out, key=lambda d: d[1] != settings.get("taps", []))  # copies first
 

@@ -373,7 +373,8 @@ def add_train_mtp_parser(sub) -> None:
     t.add_argument("--taps", type=lambda v: [int(x) for x in v.split(",")], default=None,
                    help="layers whose output the heads read too at real positions (EAGLE-3's fusion), e.g. 20,26; "
                         "--prompt-set large, chat or written (shards in their own folder; a shard another folder of the "
-                        "cache already answered is copied, or given these taps from its answers when it has other taps or none)")
+                        "cache already answered is copied, or given these taps from its answers when it has other "
+                        "taps or none)")
     t.add_argument("--loss", choices=("soft", "hard"), default=None,
                    help="the heads' targets: soft (default), the model's own distribution over the draft "
                         "vocabulary at each position; hard, its argmax alone")
