@@ -207,7 +207,7 @@ def add_taps(backend, jobs: list[tuple], records: list[dict], max_tokens: int) -
         runner.reset()
         model.fused.step_chunk(ids + r["tokens"][:n - 1].tolist(), 0, model.identity_table, head="last")
         wide = model.fused.chunk_hidden[len(ids) - 1:len(ids) - 1 + n].to(r["hidden"].dtype)
-        if not torch.equal(wide[:, :model.cfg.dim], r["hidden"][:, :model.cfg.dim]):  # (a donor's taps follow)
+        if not torch.equal(wide[:, :model.cfg.dim], r["hidden"][:, :model.cfg.dim]):  # a donor's own taps follow
             raise EdgeRuntimeError("train-mtp: the answers recomputed with taps differ from the recorded ones "
                                    "(another build or arithmetic made the shards): answer them again")
         out.append({**r, "hidden": wide})

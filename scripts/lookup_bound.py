@@ -29,6 +29,7 @@ from edge_runtime.model.path import default_model_path
 from edge_runtime.request import GenerationRequest, SamplingParams
 from edge_runtime.spec.draft_planner import Acceptance, DraftPlanner
 from edge_runtime.spec.speculative import NgramProposer
+from kernels import cpu_gemv
 
 K_MAX, ROWS, TOKENS = 7, 8, 128
 
@@ -38,8 +39,6 @@ def row_costs(backend, ids: list[int], context: int = 128) -> dict[int, float]:
     model = backend.model
     blocks = -(-(context + ROWS) // 16)
     model.allocate_cache(context + ROWS, num_blocks=blocks, block_size=16, kv_dtype=model.kv.kv_dtype)
-    from kernels import cpu_gemv
-
     model.enable_fused(cpu_gemv.library())
     table = list(range(blocks))
     with torch.inference_mode():
