@@ -466,6 +466,25 @@ static int attention_parts(int M, const int* pos, const int* tables, int table_s
     return np;
 }
 
+/* Where thread t's share of the attention units (part, query head), in order, starts: the shares are cut
+ * by cost, each unit weighing its part's rows times the keys its last row reads (plus a unit's fixed
+ * work), so rows at long positions do not leave one thread waiting for another at the barrier (batch
+ * rows' positions differ widely). Which thread computes a unit never changes its bits. t == T: the end. */
+static int unit_split(int nparts, int nh, const int* part0, const int* partn, const int* pos, int t, int T) {
+    if (t <= 0) return 0;
+    if (t >= T) return nparts * nh;
+    int64_t total = 0;
+    for (int p = 0; p < nparts; p++) total += (int64_t)partn[p] * (pos[part0[p] + partn[p] - 1] + 1) + 32;
+    const int64_t target = total * nh * t / T;
+    int64_t acc = 0;
+    for (int u = 0; u < nparts * nh; u++) {
+        if (acc >= target) return u;
+        const int p = u / nh;
+        acc += (int64_t)partn[p] * (pos[part0[p] + partn[p] - 1] + 1) + 32;
+    }
+    return nparts * nh;
+}
+
 /* ---- one parallel region per step: a team of threads and its barrier ----------------------------- */
 
 extern int qgemm_team(const uint8_t*, int, int, int, int, const float*, int, float*, void*, int, int,
@@ -586,8 +605,8 @@ static int layers(int n_layers, int M, const int* dims, float eps, float scale, 
              * are one attend_rows pass (each K and V row read once for all of them); the same bits per
              * (row, head) however the units fall. Other caches: (row, query head) units, attend_head. */
             if (group_mode) {
-                const int U = nparts * nh, u1 = U * (t + 1) / T;
-                for (int u = U * t / T; u < u1;) {
+                const int U = nparts * nh, u1 = unit_split(nparts, nh, part0, partn, pos, t + 1, T);
+                for (int u = unit_split(nparts, nh, part0, partn, pos, t, T); u < u1;) {
                     const int p = u / nh, h = u % nh, j = h / G;
                     const int end = u1 < p * nh + (j + 1) * G ? u1 : p * nh + (j + 1) * G;
                     const int last = part0[p] + partn[p] - 1;
