@@ -100,7 +100,7 @@ def piece_batch(pieces, records, starts, flat, emb_table, index, steps: int, los
 def train_attention(data: dict, backend, steps: int = 4, hidden: int = 1024, size: int = 4096, epochs: int = 2,
                     window: int | None = WINDOW, answers_per_step: int | None = None, lr: float = 2e-3,
                     seed: int = 0, loss: str = "soft", precision: str = "fp32", held_out=None,
-                    progress=print) -> tuple[AttnDraftHead, dict]:
+                    progress=print, layers: int = 1) -> tuple[AttnDraftHead, dict]:
     """Trains on `data`'s records (a 20th held out, seeded) with the MLP heads' recipe: each optimizer step
     takes `POSITIONS` chain starts, `window` consecutive ones from each of many answers (their real keys with
     them: every position of the answer before a start), the soft loss (the model's own distribution over the
@@ -120,7 +120,7 @@ def train_attention(data: dict, backend, steps: int = 4, hidden: int = 1024, siz
     emb_table = embedding_table(backend)
     head_rows = emb_table[vocab].contiguous()
     head = AttnDraftHead(cfg.dim, cfg.num_heads, cfg.head_dim, hidden, vocab, cfg.norm_eps, 10000.0, steps,
-                         tuple(data.get("taps", ())))
+                         tuple(data.get("taps", ())), layers)
     pieces = windows(train_recs, None if answers_per_step else window)
     per_step = answers_per_step or max(1, POSITIONS // window)
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.01)
@@ -161,7 +161,8 @@ def train_attention(data: dict, backend, steps: int = 4, hidden: int = 1024, siz
     head.load_state_dict(best[3])
     report.update({"positions": sum(len(r["tokens"]) for r in train_recs), "draft_vocab": len(vocab),
                    "steps": steps, "hidden": hidden, "batch": per_step, "window": None if answers_per_step else window,
-                   "lr": lr, "seed": seed, "loss": loss, "precision": precision, "taps": list(head.taps),
+                   "lr": lr, "seed": seed, "loss": loss, "layers": layers, "precision": precision,
+                   "taps": list(head.taps),
                    "best_epoch": best[2], "train_seconds": round(time.time() - t0)})
     return head.eval(), report
 
@@ -269,7 +270,8 @@ def compare_heads(data: dict, backend, args) -> dict:
         head, report = train_attention(part, backend, steps=args.depth, hidden=args.hidden, size=args.draft_vocab,
                                        epochs=args.epochs, window=args.window or WINDOW,
                                        answers_per_step=args.answers_per_step, seed=args.seed, held_out=bench,
-                                       loss=args.loss or "soft", precision=args.precision or "fp32")
+                                       loss=args.loss or "soft", precision=args.precision or "fp32",
+                                       layers=args.layers)
         last = report["epochs"][report["best_epoch"] - 1]  # the epoch kept
         w = attention_walk(head, bench, emb_table, 3, MT_BENCH_TOKENS)
         curve.append({"prompts": part.get("prompts"), "train_answer_tokens": tokens, "chain_accuracy": last["extra"],

@@ -254,6 +254,9 @@ def run_train_mtp(args) -> int:
     if args.window is not None and (args.arch == "mlp" or args.answers_per_step is not None or args.window < 1):
         raise EdgeRuntimeError(f"train-mtp: --window ({args.window}) is the attention head's chain starts per answer "
                                "in a step: --arch attention, without --answers-per-step, at least 1")
+    if args.layers != 1 and (args.arch == "mlp" or args.layers < 1):
+        raise EdgeRuntimeError(f"train-mtp: --layers ({args.layers}) is the attention head's decoder layers: "
+                               "--arch attention, at least 1")
     taps = tuple(sorted(set(args.taps or ())))
     sharded = args.prompt_set in PROMPT_SETS
     if args.shards is not None and (not sharded or args.shards < 1):
@@ -314,11 +317,7 @@ def run_train_mtp(args) -> int:
 
         head, report, figures = compare_heads(data, backend, args)
         print_and_save(figures, args.json)
-        out = args.out or os.path.join(HEADS_DIR, f"{name}.attn.safetensors")
-        head.save(out, base_fingerprint(backend), report)
-        print(f"train-mtp: wrote {out} ({os.path.getsize(out) / 1e6:.1f} MB)")
-        return 0
-    if args.json:  # heads for each data size of --curve, then all of it, measured on MT-Bench
+    elif args.json:  # heads for each data size of --curve, then all of it, measured on MT-Bench
         from edge_cli.train_attn import mlp_curve
 
         head, report, figures = mlp_curve(data, backend, args)
@@ -327,7 +326,7 @@ def run_train_mtp(args) -> int:
         head, report = train(data, backend, depth=args.depth, hidden=args.hidden, draft_vocab=args.draft_vocab,
                              epochs=args.epochs, seed=args.seed, loss=args.loss or "soft",
                              precision=args.precision or "fp32")
-    out = args.out or os.path.join(HEADS_DIR, f"{name}.safetensors")
+    out = args.out or os.path.join(HEADS_DIR, f"{name}{'.attn' if args.arch == 'attention' else ''}.safetensors")
     head.save(out, base_fingerprint(backend), report)
     print(f"train-mtp: wrote {out} ({os.path.getsize(out) / 1e6:.1f} MB)")
     return 0
@@ -367,6 +366,8 @@ def add_train_mtp_parser(sub) -> None:
     t.add_argument("--window", type=int, default=None,
                    help="--arch attention: consecutive chain starts taken from each answer in an optimizer step of "
                         "256 (default 16; the answer before them gives their keys)")
+    t.add_argument("--layers", type=int, default=1,
+                   help="--arch attention: the head's decoder layers (default 1, as EAGLE's; the engine drafts with one)")
     t.add_argument("--answers-per-step", type=int, default=None,
                    help="--arch attention: whole answers per optimizer step instead of windows (with --loss hard, close to "
                         "the recipe before 2026-12-05)")

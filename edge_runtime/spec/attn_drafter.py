@@ -98,6 +98,9 @@ class AttnDrafter:
     needs_hidden = True
 
     def __init__(self, head: AttnDraftHead, embed, fast: bool = True, c_step: bool = True):
+        if head.more:
+            raise ValueError(f"the attention drafter runs heads of one decoder layer; this one has {len(head.layers)} "
+                             "decoder layers (train-mtp --layers: measured offline only)")
         self.head, self.embed = head, embed  # embed: ids [N] -> [N, dim] fp32 (the base model's, tied with its head)
         self.heads, self.head_dim, self.dim, self.eps = head.heads, head.head_dim, head.dim, head.eps
         self.taps, self.max_depth = head.taps, head.depth

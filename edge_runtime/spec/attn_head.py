@@ -43,9 +43,25 @@ def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
     return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
 
 
+class Block(nn.Module):
+    """A further decoder layer (`layers` > 1): its own attention and SwiGLU block, as the first layer's."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int, hidden: int):
+        super().__init__()
+        self.g_a, self.g_m = nn.Parameter(torch.ones(dim)), nn.Parameter(torch.ones(dim))
+        self.w_qkv = nn.Linear(dim, 3 * heads * head_dim, bias=False)
+        self.w_o = nn.Linear(heads * head_dim, dim, bias=False)
+        self.w_gate_up = nn.Linear(dim, 2 * hidden, bias=False)
+        self.w_down = nn.Linear(hidden, dim, bias=False)
+        for w in (self.w_qkv, self.w_gate_up):
+            nn.init.normal_(w.weight, std=0.02)
+        nn.init.zeros_(self.w_o.weight)  # starts as the identity: the layers below alone
+        nn.init.zeros_(self.w_down.weight)
+
+
 class AttnDraftHead(nn.Module):
     def __init__(self, dim: int, heads: int, head_dim: int, hidden: int, vocab: torch.Tensor, eps: float = 1e-5,
-                 theta: float = 10000.0, depth: int = 4, taps: tuple[int, ...] = ()):
+                 theta: float = 10000.0, depth: int = 4, taps: tuple[int, ...] = (), layers: int = 1):
         super().__init__()
         self.dim, self.heads, self.head_dim, self.hidden = dim, heads, head_dim, hidden
         self.eps, self.theta, self.depth, self.taps = eps, theta, depth, tuple(taps)
@@ -63,17 +79,24 @@ class AttnDraftHead(nn.Module):
             nn.init.normal_(w.weight, std=0.02)
         nn.init.zeros_(self.w_o.weight)  # starts as MtpHead's pure fusion of the inputs
         nn.init.zeros_(self.w_down.weight)
+        self.more = nn.ModuleList(Block(dim, heads, head_dim, hidden) for _ in range(layers - 1))
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        """The decoder layers, in order: the first's weights are the head's own (the one-layer format's names)."""
+        return [self, *self.more]
 
     def save(self, path: str, base_fingerprint: str, extra: dict | None = None) -> None:
         write_heads(self, path, {"format": FORMAT, "dim": str(self.dim), "heads": str(self.heads),
                                  "head_dim": str(self.head_dim), "hidden": str(self.hidden), "eps": repr(self.eps),
-                                 "theta": repr(self.theta), "depth": str(self.depth)}, base_fingerprint, extra)
+                                 "theta": repr(self.theta), "depth": str(self.depth),
+                                 **({"layers": str(len(self.layers))} if self.more else {})}, base_fingerprint, extra)
 
     @classmethod
     def load(cls, path: str) -> tuple["AttnDraftHead", dict]:
         tensors, meta, taps = read_heads(path, FORMAT)
         head = cls(int(meta["dim"]), int(meta["heads"]), int(meta["head_dim"]), int(meta["hidden"]), tensors["vocab"],
-                   float(meta["eps"]), float(meta["theta"]), int(meta["depth"]), taps)
+                   float(meta["eps"]), float(meta["theta"]), int(meta["depth"]), taps, int(meta.get("layers", 1)))
         head.load_state_dict(tensors)
         return head.eval(), meta
 
@@ -82,19 +105,25 @@ class AttnDraftHead(nn.Module):
             h = fuse_taps(self, h)
         return self.w_in(torch.cat([_rms(h, self.eps) * self.g_h, _rms(e, self.eps) * self.g_e], dim=-1))
 
-    def _qkv(self, z: torch.Tensor, pos: torch.Tensor):
-        """z [B, T, dim] -> q, k, v [B, heads, T, head_dim], q and k rotated to `pos` [T]."""
+    def _qkv(self, z: torch.Tensor, pos: torch.Tensor, layer: nn.Module | None = None):
+        """z [B, T, dim] -> q, k, v [B, heads, T, head_dim] of `layer` (default the first), q and k rotated to `pos`."""
+        lay = layer or self
         B, T, _ = z.shape
-        q, k, v = self.w_qkv(_rms(z, self.eps) * self.g_a).view(B, T, 3, self.heads, self.head_dim).unbind(2)
+        q, k, v = lay.w_qkv(_rms(z, self.eps) * lay.g_a).view(B, T, 3, self.heads, self.head_dim).unbind(2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         return rope(q, pos, self.theta), rope(k, pos, self.theta), v
 
-    def _out(self, z: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    def _block(self, z: torch.Tensor, attn: torch.Tensor, layer: nn.Module | None = None) -> torch.Tensor:
+        """The residual stream after `layer`'s attention output `attn` and its SwiGLU block."""
+        lay = layer or self
         B, _, T, _ = attn.shape
-        z = z + self.w_o(attn.transpose(1, 2).reshape(B, T, self.heads * self.head_dim))
-        gate, up = self.w_gate_up(_rms(z, self.eps) * self.g_m).chunk(2, dim=-1)
-        z = z + self.w_down(F.silu(gate) * up)
-        return _rms(z, self.eps) * self.g_o
+        z = z + lay.w_o(attn.transpose(1, 2).reshape(B, T, self.heads * self.head_dim))
+        gate, up = lay.w_gate_up(_rms(z, self.eps) * lay.g_m).chunk(2, dim=-1)
+        return z + lay.w_down(F.silu(gate) * up)
+
+    def _out(self, z: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The one-layer head's output state (`_block`, then the final norm)."""
+        return _rms(self._block(z, attn), self.eps) * self.g_o
 
     def chain(self, h: torch.Tensor, emb: torch.Tensor, valid: torch.Tensor, steps: int,
               qpos: torch.Tensor | None = None) -> list[torch.Tensor]:
@@ -105,28 +134,42 @@ class AttnDraftHead(nn.Module):
         real positions. Returns `steps` tensors [B, T, dim]: step s at start t is the draft state for the token
         at t + s + 1. `qpos` [B, Q]: start the chains at these positions only (each row's keys are still all
         its real positions up to the start), and return [B, Q, dim] tensors: training on a window of an
-        answer with the keys before it.
+        answer with the keys before it. With more than one layer, each layer's keys at the real positions come
+        from the layer below at every position (the last layer's queries alone at the starts).
         """
         T = h.shape[1]
         pos = torch.arange(T)
         z = self._fuse(h, emb[:, :T])
-        q, k0, v0 = self._qkv(z, pos)
         P = pos.expand(h.shape[0], T) if qpos is None else qpos
-        if qpos is not None:  # the chains' starts alone
-            z = z.gather(1, qpos[..., None].expand(-1, -1, z.shape[-1]))
-            q = q.gather(2, qpos[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[-1]))
         scale = 1.0 / math.sqrt(self.head_dim)
+        causal = ((pos[None, None, :] <= pos[None, :, None]) & valid[:, None, :])[:, None]  # [B, 1, T, T]
         mask = ((pos[None, None, :] <= P[:, :, None]) & valid[:, None, :])[:, None]  # [B, 1, Q, T]
-        real = lambda q: (q @ k0.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))  # noqa: E731
-        out = [self._out(z, torch.softmax(real(q), dim=-1) @ v0)]
-        ks, vs = [], []
+        real_kv = []
+        for i, lay in enumerate(self.layers):
+            q, k0, v0 = self._qkv(z, pos, lay)
+            real_kv.append((k0, v0))
+            if i + 1 < len(self.layers):  # every position: the next layer's keys
+                scores = (q @ k0.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))
+                z = self._block(z, torch.softmax(scores, dim=-1).nan_to_num() @ v0, lay)
+                continue
+            if qpos is not None:  # the chains' starts alone
+                z = z.gather(1, qpos[..., None].expand(-1, -1, z.shape[-1]))
+                q = q.gather(2, qpos[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[-1]))
+            scores = (q @ k0.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+            z = self._block(z, torch.softmax(scores, dim=-1) @ v0, lay)
+        out = [_rms(z, self.eps) * self.g_o]
+        ks, vs = [[] for _ in self.layers], [[] for _ in self.layers]
         for s in range(1, steps):
             z = self._fuse(out[-1], emb.gather(1, (P + s)[..., None].expand(-1, -1, emb.shape[-1])))
-            q, k, v = self._qkv(z, P + s)
-            ks.append(k)
-            vs.append(v)
-            diag = torch.stack([(q * kd).sum(-1) * scale for kd in ks], dim=-1)  # [B, heads, Q, s]
-            p = torch.softmax(torch.cat([real(q), diag], dim=-1), dim=-1)
-            attn = p[..., :T] @ v0 + (p[..., T:, None] * torch.stack(vs, dim=-2)).sum(-2)
-            out.append(self._out(z, attn))
+            for i, lay in enumerate(self.layers):
+                q, k, v = self._qkv(z, P + s, lay)
+                ks[i].append(k)
+                vs[i].append(v)
+                k0, v0 = real_kv[i]
+                real = (q @ k0.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+                diag = torch.stack([(q * kd).sum(-1) * scale for kd in ks[i]], dim=-1)  # [B, heads, Q, s]
+                p = torch.softmax(torch.cat([real, diag], dim=-1), dim=-1)
+                attn = p[..., :T] @ v0 + (p[..., T:, None] * torch.stack(vs[i], dim=-2)).sum(-2)
+                z = self._block(z, attn, lay)
+            out.append(_rms(z, self.eps) * self.g_o)
         return out

@@ -8,10 +8,10 @@ from edge_runtime.spec.attn_head import AttnDraftHead
 from edge_runtime.spec.mtp import base_fingerprint
 
 
-def _head(steps=4, taps=()) -> AttnDraftHead:
+def _head(steps=4, taps=(), layers=1) -> AttnDraftHead:
     torch.manual_seed(0)
-    head = AttnDraftHead(64, 4, 16, 96, torch.arange(50), 1e-5, 10000.0, steps, taps)
-    for w in (head.w_o, head.w_down):  # zero at init: make the attention and the block matter
+    head = AttnDraftHead(64, 4, 16, 96, torch.arange(50), 1e-5, 10000.0, steps, taps, layers)
+    for w in [w for lay in head.layers for w in (lay.w_o, lay.w_down)]:  # zero at init: make each layer matter
         torch.nn.init.normal_(w.weight, std=0.2)
     if taps:  # the identity at init: make the tapped layers matter
         torch.nn.init.normal_(head.w_f.weight, std=0.2)
@@ -24,8 +24,9 @@ def _records(lengths, vocab=50, dim=64, seed=1):
              "greedy": torch.randint(0, vocab, (n,), generator=g)} for n in lengths]
 
 
-def test_a_chain_started_at_t_sees_only_positions_up_to_t_and_its_own_steps():
-    head, steps = _head(), 4
+@pytest.mark.parametrize("layers", [1, 2])
+def test_a_chain_started_at_t_sees_only_positions_up_to_t_and_its_own_steps(layers):
+    head, steps = _head(layers=layers), 4
     emb_table = torch.randn(50, 64)
     recs = _records([7, 12, 4])
     h, emb, valid, _ = batch_of(recs, emb_table, torch.arange(50), steps)
@@ -39,10 +40,12 @@ def test_a_chain_started_at_t_sees_only_positions_up_to_t_and_its_own_steps():
                     assert torch.allclose(whole[s][b, t], cut[s][0, t], atol=1e-5), (b, t, s)
 
 
-def test_chains_started_at_chosen_positions_are_the_whole_answers_chains_there():
+@pytest.mark.parametrize("layers", [1, 2])
+def test_chains_started_at_chosen_positions_are_the_whole_answers_chains_there(layers):
     """Training on windows (`qpos`) computes, for each start, what the chain over the whole answer computes there:
-    the same keys (every real position up to the start), with the tapped layers' features fused."""
-    head, steps = _head(taps=(3, 5)), 3
+    the same keys (every real position up to the start; with two layers the second's from the first's output
+    at every position), with the tapped layers' features fused."""
+    head, steps = _head(taps=(3, 5), layers=layers), 3
     emb_table = torch.randn(50, 64)
     recs = _records([9, 14, 5], dim=3 * 64)
     h, emb, valid, _ = batch_of(recs, emb_table, torch.arange(50), steps)
@@ -54,6 +57,24 @@ def test_chains_started_at_chosen_positions_are_the_whole_answers_chains_there()
         want = whole[s].gather(1, qpos[..., None].expand(-1, -1, 64))
         assert torch.allclose(some[s], want, atol=1e-5), s
     assert not torch.allclose(whole[0], head.chain(h[..., :64], emb, valid, steps)[0])  # the taps are read
+
+
+def test_a_two_layer_head_saves_and_loads_but_the_drafter_refuses_it(tmp_path):
+    """The file says how many layers; the engine's drafter runs one-layer heads only and says so."""
+    from edge_runtime.spec.attn_drafter import AttnDrafter
+
+    head = _head(layers=2)
+    head.save(str(tmp_path / "h.safetensors"), "fp")
+    back, meta = AttnDraftHead.load(str(tmp_path / "h.safetensors"))
+    assert meta["layers"] == "2" and len(back.layers) == 2
+    h, emb, valid = torch.randn(1, 6, 64), torch.randn(1, 9, 64), torch.ones(1, 6, dtype=torch.bool)
+    with torch.no_grad():
+        assert all(torch.allclose(a, b, atol=1e-2) for a, b in zip(head.chain(h, emb, valid, 4),
+                                                                   back.chain(h, emb, valid, 4)))  # fp16 weights
+    with pytest.raises(ValueError, match="2 decoder layers"):
+        AttnDrafter(back, lambda ids: torch.randn(len(ids), 64))
+    _head().save(str(tmp_path / "one.safetensors"), "fp")
+    assert "layers" not in AttnDraftHead.load(str(tmp_path / "one.safetensors"))[1]  # one layer: the format as before
 
 
 def test_windows_tile_every_start_once_with_their_keys_and_targets():
@@ -145,13 +166,16 @@ def test_train_mtp_arch_attention_measures_both_heads_on_mt_bench(tmp_path, nati
     assert main(["train-mtp", "--window", "4"]) == 2  # the MLP heads have no windows: refused
     assert main(["train-mtp", "--arch", "attention", "--window", "0"]) == 2
     assert main(["train-mtp", "--arch", "attention", "--window", "4", "--answers-per-step", "2"]) == 2
+    assert main(["train-mtp", "--layers", "2"]) == 2  # the MLP heads have no decoder layers: refused
+    assert main(["train-mtp", "--arch", "attention", "--layers", "0"]) == 2
     rc = main(["train-mtp", "--arch", "attention", "--prompts", "4", "--max-tokens", "12", "--epochs", "1",
-               "--window", "4",
+               "--window", "4", "--layers", "2",
                "--hidden", "64", "--draft-vocab", "256", "--data", str(tmp_path / "answers.pt"), "--json", str(out),
                "--mt-bench", "2", "--mt-bench-cache", str(cache), "--curve", "2", "--out", str(heads)])
     d = json.loads(out.read_text())
     head, meta = AttnDraftHead.load(str(heads))  # the head of the last point, with its report
     assert meta["base_fingerprint"] == base_fingerprint(native_backend) and head.hidden == 64
+    assert len(head.layers) == 2 and d["attention"]["layers"] == 2
     assert json.loads(meta["training"])["chain_accuracy"] == d["attention"]["chain_accuracy"]
     assert main(["train-mtp", "--arch", "attention", "--prompts", "4", "--max-tokens", "12", "--epochs", "1",
                  "--data", str(tmp_path / "answers.pt"), "--train-prompts", "5"]) == 2  # more than the data has
