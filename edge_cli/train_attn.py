@@ -100,13 +100,17 @@ def piece_batch(pieces, records, starts, flat, emb_table, index, steps: int, los
 def train_attention(data: dict, backend, steps: int = 4, hidden: int = 1024, size: int = 4096, epochs: int = 2,
                     window: int | None = WINDOW, answers_per_step: int | None = None, lr: float = 2e-3,
                     seed: int = 0, loss: str = "soft", precision: str = "fp32", held_out=None,
-                    progress=print, layers: int = 1) -> tuple[AttnDraftHead, dict]:
+                    progress=print, layers: int = 1, checkpoint: str | None = None,
+                    checkpoint_every: float = 600.0) -> tuple[AttnDraftHead, dict]:
     """Trains on `data`'s records (a 20th held out, seeded) with the MLP heads' recipe: each optimizer step
     takes `POSITIONS` chain starts, `window` consecutive ones from each of many answers (their real keys with
     them: every position of the answer before a start), the soft loss (the model's own distribution over the
     draft vocabulary) and the taps the data carries; `answers_per_step`: whole answers a step instead (the
-    recipe before 2026-12-05 with `loss` "hard", but for the warm-up and the epoch kept). The epoch that drafts best on the held-out answers is kept;
-    `held_out`: more records (MT-Bench's) scored each epoch."""
+    recipe before 2026-12-05 with `loss` "hard", but for the warm-up and the epoch kept). The epoch that drafts
+    best on the held-out answers is kept; `held_out`: more records (MT-Bench's) scored each epoch.
+    `checkpoint`: a file the whole training state is written to every `checkpoint_every` seconds and after each
+    epoch, and resumed from when it exists (made with the same settings and data, else refused), so a run
+    killed at any point goes on where its last checkpoint was and ends with the same head as one run through."""
     from edge_cli.train_mtp import flatten, soft_loss
 
     torch.manual_seed(seed)
@@ -131,9 +135,21 @@ def train_attention(data: dict, backend, steps: int = 4, hidden: int = 1024, siz
     progress(f"train-mtp: attention head, {sum(w for *_, w in pieces)} chain starts in {len(pieces)} pieces, "
              f"{per_step} a step, {total_steps} steps, loss {loss}, {precision}")
     t0, report, best = time.time(), {"epochs": []}, (-1.0, None, 0, None)
-    for epoch in range(epochs):
-        order = torch.randperm(len(pieces)).tolist()
-        for s in range(0, len(order), per_step):
+    key = {"records": len(records), "positions": len(flat), "pieces": len(pieces), "steps": steps, "hidden": hidden,
+           "size": size, "epochs": epochs, "per_step": per_step, "window": window, "lr": lr, "seed": seed,
+           "loss": loss, "precision": precision, "layers": layers, "taps": list(head.taps)}
+    state = _resume(checkpoint, key, head, opt, sched)
+    first, order, start = (state["epoch"], state["order"], state["step"]) if state else (0, None, 0)
+    if state:
+        report, best, t0 = state["report"], state["best"], t0 - state["seconds"]
+        progress(f"  resumed from {checkpoint}: epoch {first + 1}, step {start // per_step}")
+    saved = time.time()
+    for epoch in range(first, epochs):
+        order = order if epoch == first and order is not None else torch.randperm(len(pieces)).tolist()
+        for s in range(start if epoch == first else 0, len(order), per_step):
+            if checkpoint and time.time() - saved >= checkpoint_every:
+                _save(checkpoint, key, head, opt, sched, epoch, order, s, report, best, time.time() - t0)
+                saved = time.time()
             h, emb, valid, qpos, tgt = piece_batch([pieces[i] for i in order[s:s + per_step]], train_recs, starts,
                                                    flat, emb_table, index, steps, loss)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
@@ -158,6 +174,9 @@ def train_attention(data: dict, backend, steps: int = 4, hidden: int = 1024, siz
                  f"(k=3: {score:.3f} tokens per verification)"
                  + (f"; other set {[round(a, 3) for a in extra]} (k=3: {expected_accepted(extra, 3):.3f})"
                     if extra else "") + f" ({time.time() - t0:.0f} s)")
+        if checkpoint:
+            _save(checkpoint, key, head, opt, sched, epoch + 1, None, 0, report, best, time.time() - t0)
+            saved = time.time()
     head.load_state_dict(best[3])
     report.update({"positions": sum(len(r["tokens"]) for r in train_recs), "draft_vocab": len(vocab),
                    "steps": steps, "hidden": hidden, "batch": per_step, "window": None if answers_per_step else window,
@@ -165,6 +184,51 @@ def train_attention(data: dict, backend, steps: int = 4, hidden: int = 1024, siz
                    "taps": list(head.taps),
                    "best_epoch": best[2], "train_seconds": round(time.time() - t0)})
     return head.eval(), report
+
+
+def check_attention_args(args) -> None:
+    """Refuses `train-mtp` flags of the attention head's training given without it, or out of range."""
+    from edge_runtime.errors import EdgeRuntimeError
+
+    attention = args.arch == "attention"
+    if args.answers_per_step is not None and (not attention or args.answers_per_step < 1):
+        raise EdgeRuntimeError(f"train-mtp: --answers-per-step ({args.answers_per_step}) is the attention head's whole "
+                               "answers per step (the MLP heads train on batches of 256 positions): --arch attention, "
+                               "at least 1")
+    if args.window is not None and (not attention or args.answers_per_step is not None or args.window < 1):
+        raise EdgeRuntimeError(f"train-mtp: --window ({args.window}) is the attention head's chain starts per answer "
+                               "in a step: --arch attention, without --answers-per-step, at least 1")
+    if args.layers != 1 and (not attention or args.layers < 1):
+        raise EdgeRuntimeError(f"train-mtp: --layers ({args.layers}) is the attention head's decoder layers: "
+                               "--arch attention, at least 1")
+    if args.checkpoint and (not attention or args.curve):
+        raise EdgeRuntimeError("train-mtp: --checkpoint keeps one attention head's training: --arch attention, "
+                               "without --curve")
+
+
+def _save(path: str, key: dict, head, opt, sched, epoch: int, order, step: int, report, best, seconds: float) -> None:
+    """The training state before optimizer step `step` of `epoch` (its piece `order`; None: not drawn yet), with the
+    torch RNG that draws the next epochs' orders; written whole, then renamed."""
+    torch.save({"key": key, "head": head.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                "epoch": epoch, "order": order, "step": step, "rng": torch.get_rng_state(), "report": report,
+                "best": best, "seconds": seconds}, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def _resume(path: str | None, key: dict, head, opt, sched) -> dict | None:
+    if not path or not os.path.exists(path):
+        return None
+    from edge_runtime.errors import EdgeRuntimeError
+
+    state = torch.load(path, weights_only=False)
+    if state["key"] != key:
+        raise EdgeRuntimeError(f"train-mtp: the checkpoint {path} was made with other settings or data ({state['key']}, "
+                               f"here {key}); use another --checkpoint file")
+    head.load_state_dict(state["head"])
+    opt.load_state_dict(state["opt"])
+    sched.load_state_dict(state["sched"])
+    torch.set_rng_state(state["rng"])
+    return state
 
 
 def mt_bench_records(backend, n: int = 80, max_tokens: int = 128, path: str | None = None) -> list[dict]:
@@ -271,7 +335,7 @@ def compare_heads(data: dict, backend, args) -> dict:
                                        epochs=args.epochs, window=args.window or WINDOW,
                                        answers_per_step=args.answers_per_step, seed=args.seed, held_out=bench,
                                        loss=args.loss or "soft", precision=args.precision or "fp32",
-                                       layers=args.layers)
+                                       layers=args.layers, checkpoint=args.checkpoint)
         last = report["epochs"][report["best_epoch"] - 1]  # the epoch kept
         w = attention_walk(head, bench, emb_table, 3, MT_BENCH_TOKENS)
         curve.append({"prompts": part.get("prompts"), "train_answer_tokens": tokens, "chain_accuracy": last["extra"],

@@ -246,17 +246,9 @@ def run_train_mtp(args) -> int:
     from edge_runtime.backends.native import NativeBackend
     from edge_cli.mtp_data import build_dataset, build_shards, first_prompts, load_shards
 
-    if args.arch == "mlp" and args.answers_per_step is not None:
-        raise EdgeRuntimeError("train-mtp: --answers-per-step applies to --arch attention (the MLP heads train on "
-                               "batches of 256 positions)")
-    if args.answers_per_step is not None and args.answers_per_step < 1:
-        raise EdgeRuntimeError(f"train-mtp: --answers-per-step must be at least 1, not {args.answers_per_step}")
-    if args.window is not None and (args.arch == "mlp" or args.answers_per_step is not None or args.window < 1):
-        raise EdgeRuntimeError(f"train-mtp: --window ({args.window}) is the attention head's chain starts per answer "
-                               "in a step: --arch attention, without --answers-per-step, at least 1")
-    if args.layers != 1 and (args.arch == "mlp" or args.layers < 1):
-        raise EdgeRuntimeError(f"train-mtp: --layers ({args.layers}) is the attention head's decoder layers: "
-                               "--arch attention, at least 1")
+    from edge_cli.train_attn import check_attention_args
+
+    check_attention_args(args)
     taps = tuple(sorted(set(args.taps or ())))
     sharded = args.prompt_set in PROMPT_SETS
     if args.shards is not None and (not sharded or args.shards < 1):
@@ -368,6 +360,9 @@ def add_train_mtp_parser(sub) -> None:
                         "256 (default 16; the answer before them gives their keys)")
     t.add_argument("--layers", type=int, default=1,
                    help="--arch attention: the head's decoder layers (default 1, as EAGLE's; the engine drafts with one)")
+    t.add_argument("--checkpoint", default=None,
+                   help="--arch attention: write the training state to this file every 10 minutes and after each epoch, "
+                        "and go on from it when it exists (a killed run resumes; without --curve)")
     t.add_argument("--answers-per-step", type=int, default=None,
                    help="--arch attention: whole answers per optimizer step instead of windows (with --loss hard, close to "
                         "the recipe before 2026-12-05)")

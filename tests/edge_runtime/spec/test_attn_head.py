@@ -125,6 +125,48 @@ def test_training_on_windows_or_whole_answers_learns_a_copy_rule(loss, window):
     assert report["window"] == window and report["batch"] == (64 if window else 4) and report["loss"] == loss
 
 
+def test_a_killed_training_resumes_from_its_checkpoint_to_the_same_head(tmp_path, monkeypatch):
+    """A run stopped mid-epoch (here: its batch builder raises, as a kill would stop it) and run again with the
+    same checkpoint ends with exactly the head and figures of a run that was never stopped; a checkpoint made
+    with other settings is refused by name."""
+    import edge_cli.train_attn as ta
+    from edge_runtime.errors import EdgeRuntimeError
+
+    emb_table = torch.randn(50, 64, generator=torch.Generator().manual_seed(0))
+    recs = _records([20] * 24, seed=2)
+    for r in recs:
+        r["greedy"] = torch.cat([r["greedy"][:1], r["tokens"][:-1]])
+        r["hidden"] = 8 * emb_table[r["greedy"]]
+    kw = dict(steps=3, hidden=96, size=50, epochs=3, window=4, lr=1e-2, progress=lambda *_: None)
+    through = str(tmp_path / "through.pt")  # (its last epoch's end: the final weights, not only the best epoch's)
+    whole, report = train_attention({"records": recs}, _Backend(emb_table), checkpoint=through, **kw)
+    path, calls, real = str(tmp_path / "ckpt.pt"), [0], ta.piece_batch
+
+    def killed(*a, **k):
+        calls[0] += a[-1] == "soft"  # the training's batches (the held-out scoring's are "hard")
+        if calls[0] == 4:  # the second epoch's second step (115 pieces, 64 a step)
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(ta, "piece_batch", killed)
+    with pytest.raises(KeyboardInterrupt):
+        train_attention({"records": recs}, _Backend(emb_table), checkpoint=path, checkpoint_every=0, **kw)
+    monkeypatch.setattr(ta, "piece_batch", real)
+    state = torch.load(path, weights_only=False)
+    assert (state["epoch"], state["step"]) == (1, 64) and len(state["report"]["epochs"]) == 1
+    said: list[str] = []
+    again, report2 = train_attention({"records": recs}, _Backend(emb_table), checkpoint=path, checkpoint_every=0,
+                                     **{**kw, "progress": said.append})
+    assert any("resumed" in m and "epoch 2, step 1" in m for m in said), said
+    assert all(torch.equal(a, b) for a, b in zip(whole.state_dict().values(), again.state_dict().values()))
+    last, last2 = torch.load(through, weights_only=False), torch.load(path, weights_only=False)
+    assert last2["epoch"] == 3 and all(torch.equal(last["head"][k], last2["head"][k]) for k in last["head"])
+    assert [e["held_out"] for e in report["epochs"]] == [e["held_out"] for e in report2["epochs"]]
+    assert report["best_epoch"] == report2["best_epoch"]
+    with pytest.raises(EdgeRuntimeError, match="other settings"):
+        train_attention({"records": recs}, _Backend(emb_table), checkpoint=path, **{**kw, "lr": 2e-2})
+
+
 def test_targets_line_up_and_training_learns_a_copy_rule():
     """Answers where each token repeats the one before: the argmax at i + 1 is token i, so a chain that learns
     it drafts at every depth; accuracy must rise from chance."""
@@ -168,6 +210,8 @@ def test_train_mtp_arch_attention_measures_both_heads_on_mt_bench(tmp_path, nati
     assert main(["train-mtp", "--arch", "attention", "--window", "4", "--answers-per-step", "2"]) == 2
     assert main(["train-mtp", "--layers", "2"]) == 2  # the MLP heads have no decoder layers: refused
     assert main(["train-mtp", "--arch", "attention", "--layers", "0"]) == 2
+    assert main(["train-mtp", "--checkpoint", str(tmp_path / "c.pt")]) == 2  # the MLP heads: refused
+    assert main(["train-mtp", "--arch", "attention", "--curve", "2", "--checkpoint", str(tmp_path / "c.pt")]) == 2
     rc = main(["train-mtp", "--arch", "attention", "--prompts", "4", "--max-tokens", "12", "--epochs", "1",
                "--window", "4", "--layers", "2",
                "--hidden", "64", "--draft-vocab", "256", "--data", str(tmp_path / "answers.pt"), "--json", str(out),
