@@ -48,7 +48,7 @@ class Sampler:
         p = self.params
         logits = self.apply_penalty(logits.float(), history)
         vocab, keep = logits.shape[-1], None
-        if p.top_k > 0 and p.top_k < logits.shape[-1]:
+        if 0 < p.top_k < vocab:
             kth = torch.topk(logits, p.top_k).values[-1]
             keep = torch.nonzero(logits >= kth).squeeze(1)
             logits = logits[keep]

@@ -143,13 +143,13 @@ class AttnDraftHead(nn.Module):
         z = self._fuse(h, emb[:, :T])
         P = pos.expand(h.shape[0], T) if qpos is None else qpos
         scale = 1.0 / math.sqrt(self.head_dim)
-        causal = ((pos[None, None, :] <= pos[None, :, None]) & valid[:, None, :])[:, None]  # [B, 1, T, T]
+        causal = ((pos[None, None, :] <= pos[None, :, None]) & valid[:, None, :])[:, None] if self.more else None
         mask = ((pos[None, None, :] <= P[:, :, None]) & valid[:, None, :])[:, None]  # [B, 1, Q, T]
         real_kv = []
         for i, lay in enumerate(self.layers):
             q, k0, v0 = self._qkv(z, pos, lay)
             real_kv.append((k0, v0))
-            if i + 1 < len(self.layers):  # every position: the next layer's keys
+            if i + 1 < len(self.layers):  # every position (causal [B, 1, T, T]): the next layer's keys
                 scores = (q @ k0.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))
                 z = self._block(z, torch.softmax(scores, dim=-1).nan_to_num() @ v0, lay)
                 continue
