@@ -6,11 +6,14 @@ whose long rows all fall in one thread's half of the rows would leave the other 
 times, round-robin in one process (medians of 25 rounds), 16 rows of 16 sequences with the same positions in
 three orders: the 8 long rows first ("skewed", the worst order for a split by count), long and short
 alternating ("interleaved", the best), and all at the mean position ("same"); and all short, all long.
-skewed / interleaved near 1.0 says the split follows the cost. Writes its figures to stdout.
+skewed / interleaved near 1.0 says the split follows the cost. Prints its figures and writes them, with the
+machine, to the JSON file named as its argument.
 
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python scripts/batch_balance.py
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python scripts/batch_balance.py bench-results/logs/batch-balance.json
 """
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -35,6 +38,11 @@ def main() -> None:
                                      for k, p in orders.items()}, repeats=25)
     print(f"{ROWS} rows, positions {SHORT} and {LONG}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items()))
     print(f"skewed / interleaved: {ms['skewed'] / ms['interleaved']:.3f}")
+    if len(sys.argv) > 1:
+        from edge_cli.bench.decode import print_and_save
+
+        print_and_save({"benchmark": "batch-balance", "threads": 2, "rows": ROWS, "positions": [SHORT, LONG],
+                        "step_ms": ms, "skewed_over_interleaved": ms["skewed"] / ms["interleaved"]}, sys.argv[1])
 
 
 if __name__ == "__main__":

@@ -4,14 +4,15 @@ sampler before 2026-12-06 (top-p's sort and every softmax over all 49,152 tokens
 exponential for each of them), timed in one process, alternating, on the default model through the native
 backend: 6 prompts, 128 tokens each, 3 rounds, with `chat`'s and `serve`'s defaults (temperature 0.8, top-k 40,
 top-p 0.95, min-p 0.05, repeat penalty 1.1) and with temperature 0.8 alone; decode tok/s as the backend reports
-it (`decode_tok_per_s`), medians. Both sample the same distribution; their tokens differ for a seed. Writes its
-figures to stdout.
+it (`decode_tok_per_s`), medians. Both sample the same distribution; their tokens differ for a seed. Prints its
+figures and writes them, with the machine, to the JSON file named as its argument.
 
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python scripts/sampled_decode.py
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python scripts/sampled_decode.py bench-results/logs/sampled-decode.json
 """
 from __future__ import annotations
 
 import statistics
+import sys
 
 import torch
 
@@ -67,10 +68,18 @@ def main() -> None:
                     req = GenerationRequest(messages=[{"role": "user", "content": p}], params=make(100 * r + i))
                     runs[(s, a)].append(backend.generate(req).decode_tok_per_s)
     Sampler.probabilities, Sampler.draw = now
+    figures = {"benchmark": "sampled-decode", "threads": 2, "answers_per_arm": len(runs[("defaults", "now")]),
+               "max_tokens": 128, "settings": {}}
     for s in settings:
         med = {a: statistics.median(runs[(s, a)]) for a in arms}
+        figures["settings"][s] = {"now_tok_s": med["now"], "before_tok_s": med["before"],
+                                  "now_over_before": med["now"] / med["before"]}
         print(f"{s}: decode tok/s, medians of {len(runs[(s, 'now')])} answers: now {med['now']:.1f}, before "
               f"{med['before']:.1f}; now / before {med['now'] / med['before']:.3f}")
+    if len(sys.argv) > 1:
+        from edge_cli.bench.decode import print_and_save
+
+        print_and_save(figures, sys.argv[1])
 
 
 if __name__ == "__main__":
