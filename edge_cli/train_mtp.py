@@ -77,7 +77,8 @@ def soft_loss(logits, states, idx, head_rows, weights) -> torch.Tensor:
     argmax alone: the head learns how sure the model is (`idx` -1: no target)."""
     ok = idx >= 0
     with torch.autocast("cpu", enabled=False):  # the targets in fp32 under `train(precision="bf16")` too
-        p = torch.softmax(states[idx.clamp(min=0)].float() @ head_rows.T, dim=-1)
+        rows, where = torch.unique(idx.clamp(min=0), return_inverse=True)  # a position is a target of several starts
+        p = torch.softmax(states[rows].float() @ head_rows.T, dim=-1)[where]
         ce = -(p * F.log_softmax(logits.float(), dim=-1)).sum(-1)  # [N, depth]
     return ((ce * ok).sum(0) / ok.sum(0).clamp(min=1) * weights).sum()
 

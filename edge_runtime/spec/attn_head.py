@@ -48,6 +48,13 @@ def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
     return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
 
 
+def _unpack(rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """rows [N, ...] computed at the N positions where `valid` [B, T] is true -> [B, T, ...], zeros elsewhere."""
+    out = rows.new_zeros(*valid.shape, *rows.shape[1:])
+    out[valid] = rows
+    return out
+
+
 class Block(nn.Module):
     """A further decoder layer (`layers` > 1): its own attention and SwiGLU block, as the first layer's."""
 
@@ -110,11 +117,15 @@ class AttnDraftHead(nn.Module):
             h = fuse_taps(self, h)
         return self.w_in(torch.cat([_rms(h, self.eps) * self.g_h, _rms(e, self.eps) * self.g_e], dim=-1))
 
-    def _qkv(self, z: torch.Tensor, pos: torch.Tensor, layer: nn.Module | None = None):
-        """z [B, T, dim] -> q, k, v [B, heads, T, head_dim] of `layer` (default the first), q and k rotated to `pos`."""
+    def _qkv(self, z: torch.Tensor, pos: torch.Tensor, layer: nn.Module | None = None,
+             valid: torch.Tensor | None = None):
+        """z [B, T, dim] -> q, k, v [B, heads, T, head_dim] of `layer` (default the first), q and k rotated to `pos`;
+        `valid` [B, T]: projected at those positions alone (the others' q, k, v are zero: a batch's padding)."""
         lay = layer or self
         B, T, _ = z.shape
-        q, k, v = lay.w_qkv(_rms(z, self.eps) * lay.g_a).view(B, T, 3, self.heads, self.head_dim).unbind(2)
+        x = _rms(z, self.eps) * lay.g_a
+        qkv = lay.w_qkv(x) if valid is None else _unpack(lay.w_qkv(x[valid]), valid)
+        q, k, v = qkv.view(B, T, 3, self.heads, self.head_dim).unbind(2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         return rope(q, pos, self.theta), rope(k, pos, self.theta), v
 
@@ -140,14 +151,14 @@ class AttnDraftHead(nn.Module):
         """
         T = h.shape[1]
         pos = torch.arange(T)
-        z = self._fuse(h, emb[:, :T])
+        z = _unpack(self._fuse(h[valid], emb[:, :T][valid]), valid)  # the real positions alone: padding is masked
         P = pos.expand(h.shape[0], T) if qpos is None else qpos
         scale = 1.0 / math.sqrt(self.head_dim)
         causal = ((pos[None, None, :] <= pos[None, :, None]) & valid[:, None, :])[:, None] if self.more else None
         mask = ((pos[None, None, :] <= P[:, :, None]) & valid[:, None, :])[:, None]  # [B, 1, Q, T]
         real_kv = []
         for i, lay in enumerate(self.layers):
-            q, k0, v0 = self._qkv(z, pos, lay)
+            q, k0, v0 = self._qkv(z, pos, lay, valid)
             real_kv.append((k0, v0))
             if i + 1 < len(self.layers):  # every position (causal [B, 1, T, T]): the next layer's keys
                 scores = (q @ k0.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))
