@@ -842,6 +842,8 @@ static int head_scratch(size_t floats, int kmax, int rows, int arith, float** bu
     return -2;
 }
 
+#define MAX_TEAM 256 /* threads a draft head's call runs on at most */
+
 static double seconds_now(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -857,13 +859,17 @@ static double seconds_now(void) {
  * n + m + s - 1, past the answer's (scratch: the next call overwrites them). dims: dim, heads, head_dim,
  * hidden, n_vocab, parts, threads, the weights' kind code (+ 16: packed), arith, n, m, k, cap. w: w_f,
  * w_in, w_qkv, w_o, w_gate_up, w_down, the draft vocabulary's rows. g: g_f, g_h, g_e, g_a, g_m, g_o.
- * freqs [head_dim / 2]: RoPE's. Out: drafts [k] (rows of the draft vocabulary), zlast, seconds [2]: the
- * rows' part and the chain's (the planner prices a draft step by the chain's: the rows go in whatever k is).
+ * freqs [head_dim / 2]: RoPE's. Out: drafts [k] (rows of the draft vocabulary), probs [k]: each draft's
+ * probability under the head (its softmax over the draft vocabulary), zlast, seconds [2]: the rows' part and
+ * the chain's (the planner prices a draft step by the chain's: the rows go in whatever k is). The chain stops
+ * early, after the step where the product of its drafts' probabilities falls below `floor` (0: never): a
+ * draft that unlikely to be reached cannot pay for its row (draft_planner.DraftPlanner.floor).
  * The GEMVs are team_gemm's, the norms decode_add_rmsnorm's, the attention fp32 (dot, exp_ieee): the drafts agree
- * with the torch reference's to float rounding. Returns 0, a GEMV's rc, -1 (bad shapes) or -2 (memory). */
+ * with the torch reference's to float rounding. Returns the drafts made (k, or fewer where it stopped), a
+ * GEMV's rc (< 0), -1 (bad shapes) or -2 (memory). */
 int attn_head_chain(const int* dims, float eps, float scale, const uint8_t** w, const float** g, const float* h,
                     const float* e, float* kc, float* vc, const float* freqs, const float* emb_rows, float* zlast,
-                    int* drafts, double* seconds) {
+                    float floor_p, int* drafts, float* probs, double* seconds) {
     const double t0 = seconds_now();
     double t_rows = t0;
     const int dim = dims[0], H = dims[1], hd = dims[2], hidden = dims[3], n_vocab = dims[4], parts = dims[5];
@@ -897,8 +903,11 @@ int attn_head_chain(const int* dims, float eps, float scale, const uint8_t** w, 
     float* state = u;                                /* [dim]: a step's output (u is free by then) */
     team_barrier bar;
     team_barrier_init(&bar, 1);
-    int rc_all = 0;
-#pragma omp parallel num_threads(nt) if (nt > 1)
+    int rc_all = 0, made = 0;
+    volatile int stop = 0;                           /* thread 0's: the chain's probability fell below floor_p */
+    float part[MAX_TEAM];                            /* each thread's share of the softmax's sum */
+    double reached = 1.0;                            /* the product of the drafts' probabilities so far */
+#pragma omp parallel num_threads(nt < MAX_TEAM ? nt : MAX_TEAM) if (nt > 1)
     {
         const int t = team_enter(&bar), T = bar.n;
         int rc = 0;
@@ -929,7 +938,7 @@ int attn_head_chain(const int* dims, float eps, float scale, const uint8_t** w, 
         }
         team_sync(&bar);
         if (t == 0) t_rows = seconds_now();
-        for (int s = 0; s < k && !rc; s++) {
+        for (int s = 0; s < k && !rc && !stop; s++) {
             if (s) { /* the previous state and its draft at position N - 1 + s: fused, its query, key, value */
                 if (t == 0) {
                     decode_add_rmsnorm(state, NULL, g[1], dim, eps, a);
@@ -985,6 +994,23 @@ int attn_head_chain(const int* dims, float eps, float scale, const uint8_t** w, 
                 drafts[s] = (int)best;
             }
             team_sync(&bar);
+            if (!rc) { /* the draft's probability: 1 / sum(exp(logit - its logit)), each thread a share */
+                const float top = logits[drafts[s]];
+                const int i0 = (int)((int64_t)n_vocab * t / T), i1 = (int)((int64_t)n_vocab * (t + 1) / T);
+                float sum = 0.0f;
+                for (int i = i0; i < i1; i++) sum += exp_ieee(logits[i] - top);
+                part[t] = sum;
+            }
+            team_sync(&bar);
+            if (t == 0 && !rc) {
+                float sum = 0.0f;
+                for (int u = 0; u < T; u++) sum += part[u];
+                probs[s] = 1.0f / sum;
+                reached *= probs[s];
+                made = s + 1;
+                if (reached < floor_p) stop = 1;
+            }
+            team_sync(&bar);
         }
         if (t == 0) rc_all = rc;
     }
@@ -992,7 +1018,7 @@ int attn_head_chain(const int* dims, float eps, float scale, const uint8_t** w, 
     free(buf);
     seconds[0] = t_rows - t0;
     seconds[1] = seconds_now() - t_rows;
-    return rc_all;
+    return rc_all ? rc_all : made;
 }
 
 void rows_argmax(const float* x, int M, int N, int64_t* out) {

@@ -163,7 +163,7 @@ class _Library:
         self.mtp_head_step = self.lib.mtp_head_step
         self.mtp_head_step.argtypes, self.mtp_head_step.restype = [i, p, f, p, p, p, p, p, p], ctypes.c_int
         self.attn_head_chain = self.lib.attn_head_chain
-        self.attn_head_chain.argtypes = [p, f, f, p, p, p, p, p, p, p, p, p, p, p]
+        self.attn_head_chain.argtypes = [p, f, f, p, p, p, p, p, p, p, p, p, f, p, p, p]
         self.attn_head_chain.restype = ctypes.c_int
         self.attn_head_tree_level = self.lib.attn_head_tree_level
         self.attn_head_tree_level.argtypes = [p, f, f, p, p] + [p] * 12

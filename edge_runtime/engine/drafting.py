@@ -22,7 +22,11 @@ trees of each size would have earned the sequence so far (`TreeGain`, scored aga
 last two tokens or more match earlier ones, else the heads' chain (speculative.py `LookupThenHeads`), each
 with an acceptance estimate of its own. "mtp-attn" and "mtp-attn-ngram" are "mtp" and "mtp-ngram" with the
 attention head (spec/attn_drafter.py): each job then drafts from its own `AttnChain`, which the engine feeds
-every sampled token with the features of the row that chose it (`JobDrafts.feed`); "mtp-attn-tree" grows
+every sampled token with the features of the row that chose it (`JobDrafts.feed`). That head drafts before the
+planner decides: its chain stops where the product of its drafts' probabilities falls below what a row must
+earn (`DraftPlanner.floor`), and the planner keeps as many as pay by those probabilities (`Confidence`; the
+head is calibrated, docs/speculative.md), where the MLP heads' k comes from a running acceptance estimate
+(a fixed k, as `bench spec --draft-k` measures acceptance, drafts exactly k from either). "mtp-attn-tree" grows
 "mtp-tree"'s trees from that chain, and "mtp-attn-ngram-tree" adds prompt lookup's chain to each tree as a
 branch where the last two tokens match (`TreeDrafter.grow`'s `lookup`).
 
@@ -33,7 +37,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from edge_runtime.spec.draft_planner import Acceptance, DraftPlanner
+from edge_runtime.spec.draft_planner import Acceptance, Confidence, DraftPlanner
 from edge_runtime.spec.speculative import LookupThenHeads, NgramProposer
 from edge_runtime.spec.tree import TreeDrafter, TreeGain
 
@@ -127,6 +131,8 @@ class JobDrafts:
 
 
 class StepDrafter:
+    size_by_confidence = True  # the attention head's chains sized by its probabilities (False: the running estimate)
+
     def __init__(self, method: str, max_rows: int, mtp=None, fixed_k: int | None = None):
         """method: "ngram", "mtp", "mtp-ngram" (prompt lookup where the last two tokens or more match, else the
         heads' chain), "mtp-tree" (with `mtp`, an MtpDrafter, for all but "ngram") or "mtp-attn" (`mtp`: an
@@ -181,7 +187,8 @@ class StepDrafter:
         budget: rows the step may still add."""
         decodes = [(c, j) for c, j in zip(out.chunks, jobs)
                    if j is not None and not j.done and c.samples and c.end - c.start == 1]
-        cands, limits = [], []  # (chunk, job, what prompt lookup offers or the room left, its estimate)
+        # (chunk, job, what prompt lookup or the attention head offers, or the room left; its estimate)
+        cands, limits = [], []
         lookups = {}  # chunk -> prompt lookup's chain, a branch of its tree
         for chunk, job in decodes:
             d = job.drafts
@@ -201,6 +208,14 @@ class StepDrafter:
                 lookups[id(chunk)] = offer
                 cands.append((chunk, job, room, d.tree))
                 limits.append(self.tree.size)
+            elif self.method not in ("ngram",) + TREES and job.hidden is not None and d.chain is not None \
+                    and not self.fixed_k and self.size_by_confidence:  # drafted first, sized by its confidence
+                floor = self.planner.floor(len(decodes), self.head_seconds)
+                drafts = d.chain.propose(chunk.seq.token_ids, min(room, MAX_DRAFTS), floor=floor)
+                if drafts:
+                    self._head_time(self.mtp.chain_seconds, len(drafts))
+                cands.append((chunk, job, drafts, Confidence(d.chain.probs)))
+                limits.append(len(drafts))
             elif self.method not in ("ngram",) + TREES and job.hidden is not None:  # a head step per draft
                 est = d.heads or d.acceptance
                 est.step_seconds = self.head_seconds
@@ -238,7 +253,8 @@ class StepDrafter:
             if drafts and scheduler.add_drafts(chunk, drafts, parents):
                 budget -= len(drafts)
                 job.drafts.last_tree = parents is not None
-                job.drafts.last_heads = est is job.drafts.heads
+                heads = job.drafts.heads
+                job.drafts.last_heads = heads is not None and (est is heads or isinstance(est, Confidence))
 
     def observe_step(self, rows: int, seconds: float, sequences: int | None = None) -> None:
         if rows:

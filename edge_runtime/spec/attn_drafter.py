@@ -56,16 +56,20 @@ class AttnChain:
         self.v = torch.empty(d.heads, 64, d.head_dim)
         self.z = self.q = None  # the last position's fused input and query: where the next chain starts (torch)
         self.zlast = torch.zeros(d.dim)  # the same fused input (the C step's)
+        self.probs: list[float] = []  # the last chain's drafts' probabilities under the head
 
     def feed(self, hidden: torch.Tensor, token: int) -> None:
         """`token` was sampled from the logits of the row whose features are `hidden`."""
         self.pending.append((hidden, token))
 
-    def propose(self, history: list[int], k: int, hidden=None) -> list[int]:
-        """Up to k drafts after history[-1] (the drafter interface; the rows came through `feed`)."""
+    def propose(self, history: list[int], k: int, hidden=None, floor: float = 0.0) -> list[int]:
+        """Up to k drafts after history[-1] (the drafter interface; the rows came through `feed`), each one's
+        probability under the head in `probs`; `floor` > 0 stops the chain after the draft where the product
+        of those probabilities falls below it (the drafts are the first ones of the chain without it)."""
         if not self.pending and self.n == 0:
+            self.probs = []
             return []
-        return self.drafter.draft(self, min(k, self.drafter.max_depth))
+        return self.drafter.draft(self, min(k, self.drafter.max_depth), floor)
 
     @property
     def vocab(self) -> list[int]:
@@ -187,25 +191,25 @@ class AttnDrafter:
         z = z + self.w_down(F.silu(gate) * up)
         return _rms(z, self.eps) * self.g_o
 
-    def draft(self, chain: AttnChain, k: int) -> list[int]:
-        """The rows fed since the last chain into its cache, then k drafts from the last position.
-        Sets `chain_seconds`: the time of the k steps alone (the rows go in whatever k is, so the
-        planner prices a draft by this)."""
+    def draft(self, chain: AttnChain, k: int, floor: float = 0.0) -> list[int]:
+        """The rows fed since the last chain into its cache, then up to k drafts from the last position
+        (`AttnChain.propose`; their probabilities into `chain.probs`). Sets `chain_seconds`: the time of
+        the chain's steps alone (the rows go in whatever k is, so the planner prices a draft by this)."""
         if self.lib is None:
             self.absorb(chain)
             t0 = time.perf_counter()
-            drafts = self.chain(chain, k)
+            drafts, chain.probs = self.chain(chain, k, floor)
             self.chain_seconds = time.perf_counter() - t0
             return drafts
         while len(chain.pending) > 8:  # (a run of steps without drafts) eight rows a call
             self._c_step(chain, chain.pending[:8], 0)
             chain.pending = chain.pending[8:]
-        drafts = self._c_step(chain, chain.pending, k)
+        drafts, chain.probs = self._c_step(chain, chain.pending, k, floor)
         self.chain_seconds = self.seconds[1]
         chain.pending = []
         return drafts
 
-    def _c_step(self, chain: AttnChain, rows: list, k: int) -> list[int]:
+    def _c_step(self, chain: AttnChain, rows: list, k: int, floor: float = 0.0) -> tuple[list[int], list[float]]:
         from kernels import cpu_gemv
 
         m = len(rows)
@@ -213,14 +217,15 @@ class AttnDrafter:
         e = self._emb([t for _, t in rows]).contiguous() if m else torch.zeros(1)
         chain.reserve(chain.n + m + k)
         dims = (ctypes.c_int * 13)(*self._dims, cpu_gemv.threads(), *self._arith, chain.n, m, k, chain.k.shape[1])
-        drafts = (ctypes.c_int * max(1, k))()
-        rc = self.lib.attn_head_chain(dims, self.eps, self.scale, self._w, self._g, h.data_ptr(), e.data_ptr(),
-                                      chain.k.data_ptr(), chain.v.data_ptr(), self.freqs.data_ptr(),
-                                      self.head_rows.data_ptr(), chain.zlast.data_ptr(), drafts, self.seconds)
-        if rc:
-            raise ValueError(f"attn_head_chain rejected its arguments (n={chain.n}, m={m}, k={k}): rc={rc}")
+        drafts, probs = (ctypes.c_int * max(1, k))(), (ctypes.c_float * max(1, k))()
+        made = self.lib.attn_head_chain(dims, self.eps, self.scale, self._w, self._g, h.data_ptr(), e.data_ptr(),
+                                        chain.k.data_ptr(), chain.v.data_ptr(), self.freqs.data_ptr(),
+                                        self.head_rows.data_ptr(), chain.zlast.data_ptr(), floor, drafts, probs,
+                                        self.seconds)
+        if made < 0:
+            raise ValueError(f"attn_head_chain rejected its arguments (n={chain.n}, m={m}, k={k}): rc={made}")
         chain.n += m
-        return [self.vocab[i] for i in drafts[:k]]
+        return [self.vocab[i] for i in drafts[:made]], list(probs[:made])
 
     @torch.inference_mode()
     def absorb(self, chain: AttnChain) -> None:
@@ -234,11 +239,12 @@ class AttnDrafter:
         chain.z, chain.q, chain.pending = z[-1:], q[:, -1:], []
 
     @torch.inference_mode()
-    def chain(self, chain: AttnChain, k: int) -> list[int]:
-        """k drafts from the chain's last position (`AttnDraftHead.chain` for that start, one step at a time)."""
+    def chain(self, chain: AttnChain, k: int, floor: float = 0.0) -> tuple[list[int], list[float]]:
+        """Up to k drafts from the chain's last position (`AttnDraftHead.chain` for that start, one step at a
+        time) and their probabilities under the head; stops as the C step does below `floor`."""
         n, z, q = chain.n, chain.z, chain.q
         chain.reserve(n + k)  # the chain's own keys go after the answer's, and are overwritten by the next
-        out = []
+        out, probs, reached = [], [], 1.0
         for s in range(k):
             if s:  # the previous step's state and its draft, one position on
                 z = self._fuse(state, self._emb(out[-1:]))
@@ -246,8 +252,14 @@ class AttnDrafter:
             keys, values = chain.k[:, :n + s], chain.v[:, :n + s]
             p = torch.softmax((q @ keys.transpose(1, 2)) * self.scale, dim=-1)  # [heads, 1, keys]
             state = self._out(z, p @ values)
-            out.append(self.vocab[int(self.rows(state)[0].numpy().argmax())])
-        return out
+            logits = self.rows(state)[0]
+            best = int(logits.numpy().argmax())
+            out.append(self.vocab[best])
+            probs.append(float(1.0 / torch.exp(logits - logits[best]).sum()))
+            reached *= probs[-1]
+            if reached < floor:
+                break
+        return out, probs
 
     @torch.inference_mode()
     def tree_root(self, chain: AttnChain) -> TreeStates:

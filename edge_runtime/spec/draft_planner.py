@@ -9,10 +9,13 @@ rate a turns k drafts into 1 + a + ... + a^k tokens in expectation (`Acceptance`
 
 `DraftPlanner.plan` picks each sequence's k to maximize the step's expected tokens per second:
 from no drafts at all it adds one draft at a time where it gains most (the next draft of sequence
-j is worth a_j^(k_j + 1) tokens for a chain, `TreeGain.marginal` for a draft tree), and keeps the best point of that path. So drafting shrinks as
-the batch fills (each extra row costs more of a fuller step) and stops where it does not pay;
-a sequence left without drafts for `probe_every` steps per row of the step gets one anyway, so
-its acceptance estimate can recover (about one probe row per `probe_every` steps in all). It knows nothing about models, tokens or the KV cache.
+j is worth a_j^(k_j + 1) tokens for a chain; for a chain its drafter sized by its own confidence,
+`Confidence`, the product of its drafts' probabilities; `TreeGain.marginal` for a draft tree), and
+keeps the best point of that path. So drafting shrinks as the batch fills (each extra row costs
+more of a fuller step) and stops where it does not pay; a sequence left without drafts for
+`probe_every` steps per row of the step gets one anyway, so its acceptance estimate can recover
+(about one probe row per `probe_every` steps in all). It knows nothing about models, tokens or the
+KV cache.
 """
 from __future__ import annotations
 
@@ -46,6 +49,25 @@ class Acceptance:
     def expected_tokens(self, k: int) -> float:
         a = self.alpha
         return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+@dataclass(slots=True)
+class Confidence:
+    """A chain already drafted, sized by its drafter's own probabilities (the attention head's are calibrated:
+    the share of its drafts accepted, given the drafts before them were, is their probability within a few
+    points; docs/speculative.md): draft j + 1 adds p_1 ... p_(j+1) tokens in expectation, and its head steps
+    are spent already."""
+    probs: list[float]
+    idle: int = 0
+
+    def marginal(self, k: int) -> float:
+        out = 1.0
+        for p in self.probs[:k + 1]:
+            out *= p
+        return out if k < len(self.probs) else 0.0
+
+    def draft_cost(self, k: int) -> float:
+        return 0.0
 
 
 class StepCost:
@@ -97,7 +119,14 @@ class DraftPlanner:
         self.cost = StepCost(max_rows)
         self.max_rows, self.k_max, self.probe_every = max_rows, k_max, probe_every
 
-    def plan(self, acceptances: list[Acceptance], limits: list[int], other_rows: int = 0) -> list[int]:
+    def floor(self, sequences: int, step_seconds: float) -> float:
+        """The expected tokens below which a draft cannot pay in a step of `sequences` decode rows: adding its row
+        (and the head step that made it) must raise the step's tokens per second, so its gain must exceed
+        the step's rate times what the row costs. A chain drafted by its own confidence stops there."""
+        base = self.cost(sequences, sequences)
+        return sequences * (self.cost(sequences + 1, sequences) - base + step_seconds) / base
+
+    def plan(self, acceptances: list, limits: list[int], other_rows: int = 0) -> list[int]:
         """Drafts per sequence (k_j <= limits[j], the drafts its drafter could offer within its
         budget). `other_rows`: decode rows of sequences that cannot draft this step."""
         n = len(acceptances)

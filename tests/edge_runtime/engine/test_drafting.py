@@ -6,6 +6,7 @@ import pytest
 from edge_runtime.engine.batch_engine import load_engine
 from edge_runtime.engine.scheduler import SchedulerConfig
 from edge_runtime.request import GenerationRequest, SamplingParams
+from edge_runtime.spec.attn_drafter import AttnChain
 from edge_runtime.spec.tree import TreeDrafter
 
 PASSAGES = [
@@ -195,10 +196,21 @@ def test_attention_head_chains_of_several_sequences_give_their_solo_answers(engi
     # every answer token once, and the end-of-generation token that ended an answer short of its limit
     fed = [len(a) + (len(a) < r.params.max_tokens) for a, r in zip(alone, requests)]
     assert [c.n + len(c.pending) for c in chains] == fed
-    # prompt lookup where the last two tokens match, else the attention head's chain: the same answers
+    # prompt lookup where the last two tokens match, else the attention head's chain, sized by the head's
+    # confidence (drafted first, stopped below the planner's floor): the same answers
     chains.clear()
+    calls, propose = [], AttnChain.propose
+
+    def spy(self, history, k, hidden=None, floor=0.0):
+        out = propose(self, history, k, hidden, floor)
+        calls.append((min(k, drafter.max_depth), floor, len(out)))
+        return out
+    monkeypatch.setattr(AttnChain, "propose", spy)
     assert run(engine, "mtp-attn-ngram", requests, after=[0, 0, 3, 7, 7], mtp=drafter) == alone
+    monkeypatch.setattr(AttnChain, "propose", propose)
     assert [c.n + len(c.pending) for c in chains] == fed
+    assert calls and all(floor > 0 for _, floor, _ in calls)
+    assert any(0 < made < k for k, _, made in calls) and any(made == k for k, _, made in calls)
     assert engine.drafter.prior.alpha != 0.5 and engine.drafter.heads_prior.alpha != 0.5  # both sources drafted
     # trees grown from each job's chain (--draft mtp-attn-tree): the accepted path's rows feed it, nothing else
     chains.clear()

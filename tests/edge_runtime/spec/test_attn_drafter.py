@@ -93,6 +93,52 @@ def test_the_c_step_drafts_what_the_torch_path_on_the_same_q8_weights_drafts():
         c._c_step(chains[0], [(feats[0], 1)] * 9, 1)  # eight rows a call at most (draft() splits): refused
 
 
+def offline_probs(head, table, feats, tokens, t, drafts):
+    """Each draft's probability under the trained layer: its softmax over the draft vocabulary, the chain forced
+    along `drafts` from t."""
+    out = []
+    with torch.no_grad():
+        for s in range(len(drafts)):
+            emb = table[torch.tensor(tokens[:t + 1] + drafts[:s])][None]
+            outs = head.chain(feats[None, :t + 1], emb, torch.ones(1, t + 1, dtype=torch.bool), s + 1)
+            out.append(float(torch.softmax(outs[s][0, t] @ table[head.vocab].T, -1).max()))
+    return out
+
+
+def test_a_chain_gives_each_drafts_probability_and_stops_where_their_product_falls_below_the_floor():
+    """What sizes a chain by the head's confidence (engine/drafting.py): each draft's probability under the head
+    (the trained layer's softmax over the draft vocabulary), and a floor that ends the chain after the draft
+    where the product of the probabilities so far drops below it; the drafts made are the first ones of the
+    chain without a floor, on the torch path and on the C step alike."""
+    head, table = random_head(seed=3)
+    torch.manual_seed(4)
+    T = 20
+    feats, tokens = torch.randn(T, 3 * DIM), torch.randint(0, VOCAB, (T,)).tolist()
+    fp32 = AttnDrafter(head, lambda ids: table[ids], fast=False)
+    c, ref = c_and_torch(head, table)
+    stops = set()
+    for t in (3, 9, 19):
+        chains = [d.new_chain() for d in (fp32, c, ref)]
+        for ch in chains:
+            for j in range(t + 1):
+                ch.feed(feats[j], tokens[j])
+        full = [ch.propose(tokens[:t + 1], 4) for ch in chains]
+        probs = [ch.probs for ch in chains]
+        assert probs[0] == pytest.approx(offline_probs(head, table, feats, tokens, t, full[0]), abs=1e-5)
+        assert all(0 < p <= 1 for p in probs[1] + probs[2]) and len(probs[1]) == len(probs[2]) == 4
+        same = next((j for j, (a, b) in enumerate(zip(full[1], full[2])) if a != b), 4)  # Q8: the C step and torch
+        assert probs[1][:same] == pytest.approx(probs[2][:same], abs=2e-3)
+        for ch, drafts, p in zip(chains, full, probs):
+            reached = [p[0], p[0] * p[1], p[0] * p[1] * p[2]]
+            floor = reached[1] * 1.001  # the second draft's product is below it: two drafts, then stop
+            got = ch.propose(tokens[:t + 1], 4, floor=floor)
+            want = next(j + 1 for j, r in enumerate(reached + [0.0]) if r < floor)
+            assert got == drafts[:want] and ch.probs == pytest.approx(p[:want], abs=1e-6)
+            stops.add(want)
+            assert ch.propose(tokens[:t + 1], 4, floor=0.0) == drafts  # no floor: the whole chain again
+    assert stops & {1, 2}  # some chains stopped short
+
+
 def test_a_draft_times_its_chain_apart_from_the_rows_it_takes_in():
     """The planner prices a draft step by the chain's steps alone (the rows fed go into the head's cache
     whatever k is): the C call times its two parts apart, and `chain_seconds` is the chain's."""

@@ -1,8 +1,9 @@
 """The draft planner (spec/draft_planner.py): drafts shrink as the batch fills, stop where they do not pay,
-follow the measured step cost, and probe a sequence left without drafts."""
+follow the measured step cost, probe a sequence left without drafts, and size a chain by its drafter's own
+confidence."""
 import pytest
 
-from edge_runtime.spec.draft_planner import Acceptance, DraftPlanner, StepCost
+from edge_runtime.spec.draft_planner import Acceptance, Confidence, DraftPlanner, StepCost
 
 # t(R) in ms as measured on a 2-core AVX-512 CPU (bench decode's step curve), linear between the points
 CURVE = {1: 4.4, 2: 4.7, 4: 5.8, 8: 10.4, 16: 19.1}
@@ -128,3 +129,31 @@ def test_trees_are_planned_from_their_measured_gain_per_size():
     assert p.plan([gain], [8]) == [3]  # the fourth node would earn nothing
     gain.level_seconds = 20e-3  # a level costing far more than a step: no tree
     assert p.plan([gain], [8]) == [0]
+
+
+def test_a_chain_is_kept_as_far_as_its_drafts_probabilities_pay():
+    """A chain drafted first (the attention head's) is worth p_1 ... p_(j+1) tokens for its draft j + 1: the
+    planner keeps the drafts the head is sure of, drops those it guesses at, whatever the running estimate."""
+    p = planner()
+    assert Confidence([0.9, 0.5, 0.2]).marginal(1) == pytest.approx(0.45)
+    assert Confidence([0.9, 0.5]).marginal(2) == 0.0  # past the chain
+    sure, unsure = Confidence([0.99] * 4), Confidence([0.05, 0.9, 0.9, 0.9])
+    assert p.plan([sure], [4]) == [4]
+    assert p.plan([unsure], [4]) == [0]
+    assert p.plan([Confidence([0.95, 0.9, 0.1, 0.9])], [4]) == [2]  # the third would reach 0.09
+    ks = p.plan([sure, Confidence([0.6, 0.5, 0.4, 0.3])], [4, 4])
+    assert ks[0] >= ks[1]
+    assert p.plan([Confidence([])], [0]) == [0]
+
+
+def test_the_floor_is_the_gain_at_which_one_more_row_stops_paying():
+    """`floor`: a draft reached with that probability leaves the step's tokens per second where they were;
+    above it a draft pays, below it not, so a chain drafted by confidence can stop there."""
+    p = planner()
+    for sequences in (1, 3, 8):
+        f = p.floor(sequences, 0.2e-3)
+        base = sequences / p.cost(sequences, sequences)
+        for gain, pays in ((f * 1.05, True), (f * 0.95, False)):
+            rate = (sequences + gain) / (p.cost(sequences + 1, sequences) + 0.2e-3)
+            assert (rate > base) == pays
+    assert p.floor(1, 0.0) < p.floor(1, 1e-3) < p.floor(8, 1e-3)  # dearer head steps and fuller steps ask more
