@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 
 import torch
+from drafter_overlap import accepted  # scripts/: the drafts an answer accepts
 
 from edge_cli.bench.spec import mt_bench_prompts
 from edge_cli.mtp_data import _prompt
@@ -40,10 +41,6 @@ from edge_runtime.spec.speculative import NgramProposer
 T1, ROW, PY, HEAD = 2.96, 0.38, 0.18, 0.15  # ms: a one-row step, each row more, Python per cycle, a head step
 LOOKUP_K, HEAD_K, IDLE = 7, 4, 16
 BINS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.01)
-
-
-def accepted(drafts: list[int], answer: list[int]) -> int:
-    return next((j for j, (d, t) in enumerate(zip(drafts, answer)) if d != t), min(len(drafts), len(answer)))
 
 
 def step_ms(rows: int) -> float:
