@@ -27,7 +27,9 @@ def register(sub) -> None:
     bb.add_argument("--peer-default", default=None, help="batching: the same server at its default batch; "
                     "compared with our worker at --default-batch")
     bb.add_argument("--default-batch", type=int, default=256, help="batching: our max batch against --peer-default")
-    bb.add_argument("--draft", default=None, choices=["ngram"], help="batching: instead, the worker with this "
+    bb.add_argument("--draft", default=None, choices=["ngram", "mtp", "mtp-ngram", "mtp-tree", "mtp-attn", "mtp-attn-ngram",
+                                                      "mtp-attn-tree", "mtp-attn-ngram-tree"],
+                    help="batching: instead, the worker with this "
                     "--draft against without, on the workload and on 12 input-grounded prompts one at a time")
     bh = b.add_argument_group("hybrid")
     bh.add_argument("--prompts", type=int, default=12, help="hybrid: prompts of the labelled set for TTFT and hand-offs")

@@ -122,9 +122,10 @@ class DraftPlanner:
     def floor(self, sequences: int, step_seconds: float) -> float:
         """The expected tokens below which a draft cannot pay in a step of `sequences` decode rows: adding its row
         (and the head step that made it) must raise the step's tokens per second, so its gain must exceed
-        the step's rate times what the row costs. A chain drafted by its own confidence stops there."""
+        the step's rate times what the row costs. A chain drafted by its own confidence stops there. Never below
+        0: measured costs can dip where a row is added (noise), and no draft is worth less than nothing."""
         base = self.cost(sequences, sequences)
-        return sequences * (self.cost(sequences + 1, sequences) - base + step_seconds) / base
+        return max(0.0, sequences * (self.cost(sequences + 1, sequences) - base + step_seconds) / base)
 
     def plan(self, acceptances: list, limits: list[int], other_rows: int = 0) -> list[int]:
         """Drafts per sequence (k_j <= limits[j], the drafts its drafter could offer within its

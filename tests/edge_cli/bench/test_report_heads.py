@@ -253,7 +253,7 @@ def test_the_attention_head_with_the_mlp_recipe_outdrafts_the_mlp_heads_offline(
     assert f"{att['mean_accepted_k3']:.3g}" in page
 
 
-SHIPPED_ATTENTION = ("mtp-attention-written-10200.json", "spec-zen4-attn-10200.json")  # the run that wrote it, bench spec's
+SHIPPED_ATTENTION = ("mtp-attention-written-12240-t3.json", "spec-zen4-attn-5m.json")  # the run that wrote it, bench spec's
 
 
 def test_the_shipped_attention_head_is_its_runs_and_drafts_in_the_engine_what_that_run_replayed(committed):

@@ -157,3 +157,12 @@ def test_the_floor_is_the_gain_at_which_one_more_row_stops_paying():
             rate = (sequences + gain) / (p.cost(sequences + 1, sequences) + 0.2e-3)
             assert (rate > base) == pays
     assert p.floor(1, 0.0) < p.floor(1, 1e-3) < p.floor(8, 1e-3)  # dearer head steps and fuller steps ask more
+
+
+def test_the_floor_is_never_below_zero_where_measured_costs_dip():
+    """Measured step costs can dip where a row is added (noise on a shared machine): the floor is then 0 (every
+    draft pays), never negative."""
+    dip = planner({1: 5.0, 2: 4.0, 3: 6.0})
+    assert dip.cost(2, 1) < dip.cost(1, 1)
+    assert dip.floor(1, 0.1e-3) == 0.0 and planner().floor(1, 0.1e-3) > 0.0
+
