@@ -1,0 +1,45 @@
+"""What the attention head costs a sequence per call in the engine: the rows absorbed into its keys, the drafts
+of its chain, and the Python around the C call (`AttnDrafter._c_step`), over the first 12 MT-Bench turns with
+`--draft mtp-attn-ngram` (one sequence, greedy, 128 tokens). In a full batch every drafting sequence pays this
+each step, against the extra row its draft adds to the step.
+
+    env -u OMP_WAIT_POLICY .venv/bin/python scripts/attn_head_cost.py
+"""
+from __future__ import annotations
+
+import time
+
+from edge_cli.bench.spec import Tally, _run, mt_bench_prompts
+from edge_runtime.backends.native import NativeBackend
+from edge_runtime.spec.attn_drafter import AttnDrafter
+
+
+def main() -> None:
+    native = NativeBackend(threads=2)
+    acc = dict.fromkeys(("calls", "rows", "drafts", "absorb", "chain", "wall"), 0.0)
+    step = AttnDrafter._c_step
+
+    def timed(self, chain, rows, k, floor=0.0):
+        t0 = time.perf_counter()
+        out = step(self, chain, rows, k, floor)
+        acc["wall"] += time.perf_counter() - t0
+        acc["calls"] += 1
+        acc["rows"] += len(rows)
+        acc["drafts"] += len(out[0])
+        acc["absorb"] += self.seconds[0]  # the C call's own split: rows into the keys, then the chain's steps
+        acc["chain"] += self.seconds[1]
+        return out
+    AttnDrafter._c_step = timed
+    tally = Tally()
+    for q in mt_bench_prompts(12):
+        _run(native, "mtp-attn-ngram", None, q, 128, tally)
+    n = acc["calls"]
+    print(f"{n:.0f} calls: {acc['rows'] / n:.2f} rows absorbed and {acc['drafts'] / n:.2f} drafts a call; "
+          f"{acc['wall'] / n * 1e3:.3f} ms a call in all, of which absorbing {acc['absorb'] / n * 1e3:.3f} ms "
+          f"({acc['absorb'] / acc['rows'] * 1e3:.3f} ms a row), the chain {acc['chain'] / n * 1e3:.3f} ms "
+          f"({acc['chain'] / acc['drafts'] * 1e3:.3f} ms a draft), the rest (Python, ctypes) "
+          f"{(acc['wall'] - acc['absorb'] - acc['chain']) / n * 1e3:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
