@@ -25,8 +25,7 @@ attention head (spec/attn_drafter.py): each job then drafts from its own `AttnCh
 every sampled token with the features of the row that chose it (`JobDrafts.feed`). That head drafts before the
 planner decides: its chain stops where the product of its drafts' probabilities falls below what a row must
 earn (`DraftPlanner.floor`), and the planner keeps as many as pay by those probabilities (`Confidence`; the
-head is calibrated, docs/speculative.md; not asked where the floor is a token or more: no draft can pay), where
-the MLP heads' k comes from a running acceptance estimate
+head is calibrated, docs/speculative.md), where the MLP heads' k comes from a running acceptance estimate
 (a fixed k, as `bench spec --draft-k` measures acceptance, drafts exactly k from either). "mtp-attn-tree" grows
 "mtp-tree"'s trees from that chain, and "mtp-attn-ngram-tree" adds prompt lookup's chain to each tree as a
 branch where the last two tokens match (`TreeDrafter.grow`'s `lookup`).
@@ -212,8 +211,6 @@ class StepDrafter:
             elif self.method not in ("ngram",) + TREES and job.hidden is not None and d.chain is not None \
                     and not self.fixed_k and self.size_by_confidence:  # drafted first, sized by its confidence
                 floor = self.planner.floor(len(decodes), self.head_seconds)
-                if floor >= 1.0:  # no draft can pay in so full a step: the rows wait in the chain's pending
-                    continue
                 drafts = d.chain.propose(chunk.seq.token_ids, min(room, MAX_DRAFTS), floor=floor)
                 if drafts:
                     self._head_time(self.mtp.chain_seconds, len(drafts))

@@ -7,7 +7,6 @@ from edge_runtime.engine.batch_engine import load_engine
 from edge_runtime.engine.scheduler import SchedulerConfig
 from edge_runtime.request import GenerationRequest, SamplingParams
 from edge_runtime.spec.attn_drafter import AttnChain
-from edge_runtime.spec.draft_planner import DraftPlanner
 from edge_runtime.spec.tree import TreeDrafter
 
 PASSAGES = [
@@ -213,17 +212,6 @@ def test_attention_head_chains_of_several_sequences_give_their_solo_answers(engi
     assert calls and all(floor >= 0 for _, floor, _ in calls) and any(floor > 0 for _, floor, _ in calls)
     assert any(0 < made < k for k, _, made in calls) and any(made == k for k, _, made in calls)
     assert engine.drafter.prior.alpha != 0.5 and engine.drafter.heads_prior.alpha != 0.5  # both sources drafted
-    # a step so full that no draft can pay (the floor at 1 token or more): the head is not asked, its rows wait
-    # in the chain's pending, lookup still drafts, and the answers are the same
-    chains.clear()
-    calls.clear()
-    monkeypatch.setattr(AttnChain, "propose", spy)
-    monkeypatch.setattr(DraftPlanner, "floor", lambda self, sequences, step_seconds: 1.0)
-    before = engine.draft_stats()
-    assert run(engine, "mtp-attn-ngram", requests, after=[0, 0, 3, 7, 7], mtp=drafter) == alone
-    monkeypatch.undo()
-    assert not calls and engine.draft_stats()["proposed"] > before["proposed"]
-    assert [c.n + len(c.pending) for c in chains] == fed and all(c.n == 0 for c in chains)
     # trees grown from each job's chain (--draft mtp-attn-tree): the accepted path's rows feed it, nothing else
     chains.clear()
     log.clear()
