@@ -214,7 +214,8 @@ class StepDrafter:
                 drafts = d.chain.propose(chunk.seq.token_ids, min(room, MAX_DRAFTS), floor=floor)
                 if drafts:
                     self._head_time(self.mtp.chain_seconds, len(drafts))
-                cands.append((chunk, job, drafts, Confidence(d.chain.probs)))
+                # the job's idle count goes with it, so the planner's probes reach a chain it keeps declining
+                cands.append((chunk, job, drafts, Confidence(d.chain.probs, idle=(d.heads or d.acceptance).idle)))
                 limits.append(len(drafts))
             elif self.method not in ("ngram",) + TREES and job.hidden is not None:  # a head step per draft
                 est = d.heads or d.acceptance
@@ -228,6 +229,8 @@ class StepDrafter:
         else:
             ks = self.planner.plan([est for *_, est in cands], limits, other_rows=len(decodes) - len(cands))
         for (chunk, job, offer, est), k in zip(cands, ks):
+            if isinstance(est, Confidence):
+                (job.drafts.heads or job.drafts.acceptance).idle = est.idle
             if k <= 0 or budget <= 0:
                 continue
             k = min(k, budget)

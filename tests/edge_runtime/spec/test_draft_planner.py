@@ -166,3 +166,17 @@ def test_the_floor_is_never_below_zero_where_measured_costs_dip():
     assert dip.cost(2, 1) < dip.cost(1, 1)
     assert dip.floor(1, 0.1e-3) == 0.0 and planner().floor(1, 0.1e-3) > 0.0
 
+
+
+def test_a_chain_sized_by_confidence_gets_probes_when_its_idle_count_is_carried():
+    """A chain whose drafts never pay is declined step after step; the engine carries its job's idle count into
+    each step's `Confidence`, so the planner probes it now and then (its costs and acceptance get measured),
+    where a fresh count each step would never reach a probe."""
+    p = planner()
+    idle, ks = 0, []
+    for _ in range(3 * p.probe_every):
+        c = Confidence([0.01], idle=idle)
+        ks.append(p.plan([c], [1])[0])
+        idle = c.idle
+    assert ks[0] == 0 and 1 <= ks.count(1) <= 3
+    assert all(p.plan([Confidence([0.01])], [1]) == [0] for _ in range(3 * p.probe_every))
