@@ -152,8 +152,8 @@ def _pooled(runs: list[dict]) -> dict:
 
 
 def run_draft_comparison(args, work) -> dict:
-    """The worker with --draft METHOD (ngram, an MTP method) against without: two worker processes with the same flags, up at the same
-    time, measured in turns so the machine's drift touches both alike (ABBA for the 100-request workload at
+    """The worker with --draft METHOD (ngram, an MTP method) against without: two worker processes with the same
+    flags, up at the same time, measured in turns so the machine's drift touches both alike (ABBA for the 100-request workload at
     max batch --max-batch, continuous; per prompt or pair, alternating which goes first, for bench spec's 12
     input-grounded prompts, 128 tokens each, one at a time and two at a time). Token ids are compared request
     by request (`identical_*`), throughput as ratios."""

@@ -167,7 +167,6 @@ def test_the_floor_is_never_below_zero_where_measured_costs_dip():
     assert dip.floor(1, 0.1e-3) == 0.0 and planner().floor(1, 0.1e-3) > 0.0
 
 
-
 def test_a_chain_sized_by_confidence_gets_probes_when_its_idle_count_is_carried():
     """A chain whose drafts never pay is declined step after step; the engine carries its job's idle count into
     each step's `Confidence`, so the planner probes it now and then (its costs and acceptance get measured),
