@@ -1,13 +1,18 @@
 """What the attention head costs a sequence per call in the engine: the rows absorbed into its keys, the drafts
-of its chain, and the Python around the C call (`AttnDrafter._c_step`), over the first 12 MT-Bench turns with
-`--draft mtp-attn-ngram` (one sequence, greedy, 128 tokens). In a full batch every drafting sequence pays this
-each step, against the extra row its draft adds to the step.
+of its chain (the C call's own timers), and the rest of the call's wall time (`AttnDrafter._c_step`), over the
+first 12 MT-Bench turns with `--draft mtp-attn-ngram` (one sequence, greedy, 128 tokens); then the same call
+timed alone, one row and one draft at a time, 300 times (medians), to show how much of the rest is the Python
+and ctypes around the C call. In a full batch every drafting sequence pays this each step, against the extra
+row its draft adds to the step.
 
     env -u OMP_WAIT_POLICY .venv/bin/python scripts/attn_head_cost.py
 """
 from __future__ import annotations
 
+import statistics
 import time
+
+import torch
 
 from edge_cli.bench.spec import Tally, _run, mt_bench_prompts
 from edge_runtime.backends.native import NativeBackend
@@ -37,8 +42,20 @@ def main() -> None:
     print(f"{n:.0f} calls: {acc['rows'] / n:.2f} rows absorbed and {acc['drafts'] / n:.2f} drafts a call; "
           f"{acc['wall'] / n * 1e3:.3f} ms a call in all, of which absorbing {acc['absorb'] / n * 1e3:.3f} ms "
           f"({acc['absorb'] / acc['rows'] * 1e3:.3f} ms a row), the chain {acc['chain'] / n * 1e3:.3f} ms "
-          f"({acc['chain'] / acc['drafts'] * 1e3:.3f} ms a draft), the rest (Python, ctypes) "
+          f"({acc['chain'] / acc['drafts'] * 1e3:.3f} ms a draft), the rest of the wall time "
           f"{(acc['wall'] - acc['absorb'] - acc['chain']) / n * 1e3:.3f} ms")
+    AttnDrafter._c_step = step
+    drafter = native._attn_drafter
+    hidden = torch.randn(drafter.dim * (1 + len(drafter.taps)))
+    chain, walls, timers = drafter.new_chain(), [], []
+    for i in range(300):
+        t0 = time.perf_counter()
+        drafter._c_step(chain, [(hidden, 200 + i)], 1)
+        walls.append(time.perf_counter() - t0)
+        timers.append(sum(drafter.seconds[:2]))
+    wall, timed_c = statistics.median(walls) * 1e3, statistics.median(timers) * 1e3
+    print(f"alone: {wall:.3f} ms a call (median), the C call's timers {timed_c:.3f} ms, so {wall - timed_c:.3f} ms "
+          "of Python and ctypes around it")
 
 
 if __name__ == "__main__":
