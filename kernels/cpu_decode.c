@@ -850,165 +850,230 @@ static double seconds_now(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* The attention draft head (edge_runtime/spec/attn_drafter.py) in one call, as mtp_head_step is the MLP
- * heads': the m rows fed since the last chain (the model's features h [m, parts * dim], their tokens'
- * embeddings e [m, dim]) go into the head's key/value cache (kc, vc [heads, cap, head_dim]) at positions
- * n..n+m-1, then a chain of k drafts starts at the last of them (m = 0: at zlast, the last position's
- * fused input, kept from the call before; k = 0: the rows alone, m <= 8 a call). Step s >= 1 reads the previous step's state and the embedding
- * of its draft (emb_rows [n_vocab, dim]) at position n + m - 1 + s; its key and value go to cache slot
- * n + m + s - 1, past the answer's (scratch: the next call overwrites them). dims: dim, heads, head_dim,
- * hidden, n_vocab, parts, threads, the weights' kind code (+ 16: packed), arith, n, m, k, cap. w: w_f,
- * w_in, w_qkv, w_o, w_gate_up, w_down, the draft vocabulary's rows. g: g_f, g_h, g_e, g_a, g_m, g_o.
- * freqs [head_dim / 2]: RoPE's. Out: drafts [k] (rows of the draft vocabulary), probs [k]: each draft's
- * probability under the head (its softmax over the draft vocabulary), zlast, seconds [2]: the rows' part and
- * the chain's (the planner prices a draft step by the chain's: the rows go in whatever k is). The chain stops
- * early, after the step where the product of its drafts' probabilities falls below `floor` (0: never): a
- * draft that unlikely to be reached cannot pay for its row (draft_planner.DraftPlanner.floor).
- * The GEMVs are team_gemm's, the norms decode_add_rmsnorm's, the attention fp32 (dot, exp_ieee): the drafts agree
- * with the torch reference's to float rounding. Returns the drafts made (k, or fewer where it stopped), a
- * GEMV's rc (< 0), -1 (bad shapes) or -2 (memory). */
-int attn_head_chain(const int* dims, float eps, float scale, const uint8_t** w, const float** g, const float* h,
-                    const float* e, float* kc, float* vc, const float* freqs, const float* emb_rows, float* zlast,
-                    float floor_p, int* drafts, float* probs, double* seconds) {
+/* team_gemm for any number of rows: cpu_gemv's fp32-activation GEMV takes 8 rows a call, so more go in runs of
+ * 8 (the runs share ws: each is waited for before the next). */
+static int team_gemm_rows(int kind, int arith, const uint8_t* w, int N, int K, const float* x, int M, float* y,
+                          void* ws, int t, team_barrier* b) {
+    if (arith) return team_gemm(kind, arith, w, N, K, x, M, y, ws, t, b);
+    int rc = 0;
+    for (int r = 0; r < M && !rc; r += 8) {
+        rc = team_gemm(kind, arith, w, N, K, x + (size_t)r * K, M - r < 8 ? M - r : 8, y + (size_t)r * N, ws, t, b);
+        if (r + 8 < M) team_sync(b);
+    }
+    return rc;
+}
+
+/* The attention draft head (edge_runtime/spec/attn_drafter.py) for B answers in one call, as mtp_head_step is
+ * the MLP heads': every answer's rows fed since its last chain go into its key/value cache, then each answer's
+ * chain of drafts, the answers' steps s side by side (each matrix once a step for all of them: its weights are
+ * read once, not B times). Answer b (meta[4 b ..]: n, m, k, cap): its m <= 8 rows (the model's features h
+ * [m, parts * dim] and their tokens' embeddings e [m, dim], the answers' rows one after another in h and e) go
+ * into its cache (kcs[b], vcs[b]: [heads, cap, head_dim]) at positions n..n+m-1; its chain of k drafts starts at
+ * the last of them (m = 0: at zlasts[b], the last position's fused input, kept from the call before; k = 0: the
+ * rows alone). Step s >= 1 reads the previous step's state and the embedding of its draft (emb_rows [n_vocab,
+ * dim]) at position n + m - 1 + s; its key and value go to cache slot n + m + s - 1, past the answer's (scratch:
+ * the next call overwrites them). dims: dim, heads, head_dim, hidden, n_vocab, parts, threads, the weights' kind
+ * code (+ 16: packed), arith, kmax (the row stride of drafts and probs, >= every k). w: w_f, w_in, w_qkv, w_o,
+ * w_gate_up, w_down, the draft vocabulary's rows. g: g_f, g_h, g_e, g_a, g_m, g_o. freqs [head_dim / 2]: RoPE's.
+ * Out: drafts [B, kmax] (rows of the draft vocabulary), probs [B, kmax]: each draft's probability under the head
+ * (its softmax over the draft vocabulary), made [B], zlasts, seconds [2]: the rows' part and the chains' (the
+ * planner prices a draft step by the chains': the rows go in whatever k is). A chain stops early, after the
+ * step where the product of its drafts' probabilities falls below `floor` (0: never): a draft that unlikely
+ * to be reached cannot pay for its row (draft_planner.DraftPlanner.floor). The GEMVs are team_gemm's, the
+ * norms decode_add_rmsnorm's, the attention fp32 (dot, exp_ieee): the drafts agree with the torch reference's
+ * to float rounding. Returns 0, a GEMV's rc (< 0), -1 (bad shapes) or -2 (memory). */
+int attn_head_chains(int B, const int* dims, const int* meta, float eps, float scale, const uint8_t** w,
+                     const float** g, const float* h, const float* e, float** kcs, float** vcs, float** zlasts,
+                     const float* freqs, const float* emb_rows, float floor_p, int* drafts, float* probs, int* made,
+                     double* seconds) {
     const double t0 = seconds_now();
     double t_rows = t0;
     const int dim = dims[0], H = dims[1], hd = dims[2], hidden = dims[3], n_vocab = dims[4], parts = dims[5];
-    const int nt = dims[6] > 1 ? dims[6] : 1, kind = dims[7], arith = dims[8], n = dims[9], m = dims[10];
-    const int k = dims[11], cap = dims[12], qd = H * hd, M = m > 0 ? m : 1, N = n + m;
-    if (m < 0 || m > 8 || k < 0 || N < 1 || N + k - 1 > cap || parts < 1 || dim % 32 || hidden % 32 || qd % 32
-        || hd % 2 || (m == 0 && n < 1))
-        return -1;
-    int kmax = parts * dim > 2 * dim ? parts * dim : 2 * dim;
-    kmax = kmax > hidden ? kmax : hidden;
-    kmax = kmax > qd ? kmax : qd;
-    const size_t nf = (size_t)M * ((size_t)parts * dim + 5 * dim + 3 * (size_t)qd) + qd + 3 * (size_t)dim
-                      + 3 * (size_t)hidden + n_vocab + (size_t)H * (N + k);
+    const int nt = dims[6] > 1 ? dims[6] : 1, kind = dims[7], arith = dims[8], kmax = dims[9], qd = H * hd;
+    if (B < 1 || B > 64 || kmax < 0 || parts < 1 || dim % 32 || hidden % 32 || qd % 32 || hd % 2) return -1;
+    int R = 0, P = 0, keys = 1;                      /* rows fed; rows with a query (a chain's start each) */
+    for (int b = 0; b < B; b++) {
+        const int n = meta[4 * b], m = meta[4 * b + 1], k = meta[4 * b + 2], cap = meta[4 * b + 3];
+        if (m < 0 || m > 8 || k < 0 || k > kmax || n < 0 || n + m < 1 || n + m + k - 1 > cap || (m == 0 && n < 1))
+            return -1;
+        R += m;
+        P += m > 0 ? m : 1;
+        keys = n + m + k > keys ? n + m + k : keys;
+    }
+    int kw = parts * dim > 2 * dim ? parts * dim : 2 * dim;
+    kw = kw > hidden ? kw : hidden;
+    kw = kw > qd ? kw : qd;
+    const int T0 = nt < MAX_TEAM ? nt : MAX_TEAM;
+    const size_t nf = (size_t)R * ((size_t)parts * dim + 4 * dim) + (size_t)P * (2 * dim + 3 * (size_t)qd)
+                      + (size_t)B * (7 * (size_t)dim + 4 * (size_t)qd + 3 * (size_t)hidden + n_vocab + (size_t)H * keys
+                                     + T0);
     float* buf;
     void* ws;
-    if (head_scratch(nf, kmax, M, arith, &buf, &ws)) return -2;
-    float* u = buf;                                  /* [M, parts * dim]: the normed features */
-    float* a = u + (size_t)M * parts * dim;          /* [M, 2 dim]: [rms(h) g_h | rms(e) g_e] */
-    float* hf = a + (size_t)M * 2 * dim;             /* [M, dim]: the fused features */
-    float* z = hf + (size_t)M * dim;                 /* [M, dim]: the layer's input (the residual) */
-    float* xq = z + (size_t)M * dim;                 /* [M, dim]: rms(z) g_a */
-    float* qkv = xq + (size_t)M * dim;               /* [M, 3 qd] */
-    float* att = qkv + (size_t)M * 3 * qd;           /* [qd]: the heads' outputs */
-    float* o = att + qd;                             /* [dim] */
-    float* xm = o + dim;                             /* [dim]: rms(z + o) g_m */
-    float* dn = xm + dim;                            /* [dim] */
-    float* gu = dn + dim;                            /* [2 hidden] */
-    float* act = gu + 2 * (size_t)hidden;            /* [hidden] */
-    float* logits = act + hidden;                    /* [n_vocab] */
-    float* sc = logits + n_vocab;                    /* [H, N + k]: scores */
-    float* state = u;                                /* [dim]: a step's output (u is free by then) */
+    if (head_scratch(nf, kw, P, arith, &buf, &ws)) return -2;
+    float* u = buf;                                  /* [R, parts * dim]: the normed features */
+    float* a = u + (size_t)R * parts * dim;          /* [max(R, B), 2 dim]: [rms(h) g_h | rms(e) g_e] */
+    float* hf = a + (size_t)(R > B ? R : B) * 2 * dim; /* [R, dim]: the fused features */
+    float* zr = hf + (size_t)R * dim;                /* [R, dim]: the rows' fused inputs */
+    float* z = zr + (size_t)R * dim;                 /* [P, dim]: the layer's inputs, a chain's start among them */
+    float* xq = z + (size_t)P * dim;                 /* [P, dim]: rms(z) g_a */
+    float* qkv = xq + (size_t)P * dim;               /* [P, 3 qd] */
+    float* zc = qkv + (size_t)P * 3 * qd;            /* [B, dim]: each chain's input (the residual) */
+    float* q = zc + (size_t)B * dim;                 /* [B, 3 qd]: its query, key, value */
+    float* att = q + (size_t)B * 3 * qd;             /* [B, qd]: the heads' outputs */
+    float* o = att + (size_t)B * qd;                 /* [B, dim] */
+    float* xm = o + (size_t)B * dim;                 /* [B, dim]: rms(z + o) g_m */
+    float* dn = xm + (size_t)B * dim;                /* [B, dim] */
+    float* gu = dn + (size_t)B * dim;                /* [B, 2 hidden] */
+    float* act = gu + (size_t)B * 2 * hidden;        /* [B, hidden] */
+    float* state = act + (size_t)B * hidden;         /* [B, dim]: a step's output */
+    float* logits = state + (size_t)B * dim;         /* [B, n_vocab] */
+    float* sc = logits + (size_t)B * n_vocab;        /* [B, H, keys]: scores */
+    float* part = sc + (size_t)B * H * keys;         /* [B, threads]: shares of each softmax's sum */
+    int live[64], fill[64], first[64];               /* the chains still drafting (answer b), rows before b */
+    double reached[64];                              /* each chain's product of its drafts' probabilities */
+    for (int b = 0, r = 0, p = 0; b < B; b++) {
+        fill[b] = r;
+        first[b] = p;
+        r += meta[4 * b + 1];
+        p += meta[4 * b + 1] > 0 ? meta[4 * b + 1] : 1;
+        made[b] = 0;
+        reached[b] = 1.0;
+    }
     team_barrier bar;
     team_barrier_init(&bar, 1);
-    int rc_all = 0, made = 0;
-    volatile int stop = 0;                           /* thread 0's: the chain's probability fell below floor_p */
-    float part[MAX_TEAM];                            /* each thread's share of the softmax's sum */
-    double reached = 1.0;                            /* the product of the drafts' probabilities so far */
-#pragma omp parallel num_threads(nt < MAX_TEAM ? nt : MAX_TEAM) if (nt > 1)
+    int rc_all = 0;
+    volatile int F = 0;                              /* how many chains go on (live[0..F-1]): thread 0's */
+#pragma omp parallel num_threads(T0) if (T0 > 1)
     {
         const int t = team_enter(&bar), T = bar.n;
         int rc = 0;
-        if (m > 0) { /* the rows fused; their keys and values below */
-            rc = team_head_input(m, dim, parts, eps, kind, arith, w[0], w[1], g[0], g[1], g[2], h, e, u, hf, a, z, ws, t,
-                                 &bar);
-        } else {
-            if (t == 0) memcpy(z, zlast, sizeof(float) * dim);
-            team_sync(&bar);
+        if (R > 0)
+            rc = team_head_input(R, dim, parts, eps, kind, arith, w[0], w[1], g[0], g[1], g[2], h, e, u, hf, a, zr, ws,
+                                 t, &bar);
+        for (int b = t; b < B && !rc; b += T) {      /* each answer's inputs: its rows', or its last position's */
+            const int m = meta[4 * b + 1];
+            memcpy(z + (size_t)first[b] * dim, m ? zr + (size_t)fill[b] * dim : zlasts[b], sizeof(float) * dim * (m ? m : 1));
         }
-        for (int f = t; f < M && !rc; f += T) decode_add_rmsnorm(z + (size_t)f * dim, NULL, g[3], dim, eps, xq + (size_t)f * dim);
         team_sync(&bar);
-        if (!rc) rc = team_gemm(kind, arith, w[2], 3 * qd, dim, xq, M, qkv, ws, t, &bar);
+        for (int p = t; p < P && !rc; p += T) decode_add_rmsnorm(z + (size_t)p * dim, NULL, g[3], dim, eps, xq + (size_t)p * dim);
         team_sync(&bar);
-        for (int f = t; f < m && !rc; f += T) /* rotated keys and values into the cache */
-            for (int j = 0; j < H; j++) {
-                float* kr = kc + ((size_t)j * cap + n + f) * hd;
-                memcpy(kr, qkv + (size_t)f * 3 * qd + qd + (size_t)j * hd, sizeof(float) * hd);
-                rope_pair(kr, hd, freqs, n + f);
-                memcpy(vc + ((size_t)j * cap + n + f) * hd, qkv + (size_t)f * 3 * qd + 2 * qd + (size_t)j * hd,
-                       sizeof(float) * hd);
+        if (!rc) rc = team_gemm_rows(kind, arith, w[2], 3 * qd, dim, xq, P, qkv, ws, t, &bar);
+        team_sync(&bar);
+        for (int b = 0, i = 0; b < B && !rc; b++)    /* rotated keys and values into the caches (a row each) */
+            for (int f = 0; f < meta[4 * b + 1]; f++, i++) {
+                if (i % T != t) continue;
+                const int n = meta[4 * b], cap = meta[4 * b + 3];
+                const float* r = qkv + (size_t)(first[b] + f) * 3 * qd;
+                for (int j = 0; j < H; j++) {
+                    float* kr = kcs[b] + ((size_t)j * cap + n + f) * hd;
+                    memcpy(kr, r + qd + (size_t)j * hd, sizeof(float) * hd);
+                    rope_pair(kr, hd, freqs, n + f);
+                    memcpy(vcs[b] + ((size_t)j * cap + n + f) * hd, r + 2 * qd + (size_t)j * hd, sizeof(float) * hd);
+                }
             }
-        float* zc = z + (size_t)(M - 1) * dim;       /* the chain's current input and query */
-        float* q = qkv + (size_t)(M - 1) * 3 * qd;
-        if (t == 0 && !rc) {
-            memcpy(zlast, zc, sizeof(float) * dim);
-            for (int j = 0; j < H; j++) rope_pair(q + (size_t)j * hd, hd, freqs, N - 1);
+        if (t == 0 && !rc) {                         /* the chains start at each answer's last position */
+            for (int b = 0; b < B; b++) {
+                const int n = meta[4 * b], m = meta[4 * b + 1], last = first[b] + (m ? m - 1 : 0);
+                memcpy(zlasts[b], z + (size_t)last * dim, sizeof(float) * dim);
+                if (!meta[4 * b + 2]) continue;
+                memcpy(zc + (size_t)F * dim, z + (size_t)last * dim, sizeof(float) * dim);
+                memcpy(q + (size_t)F * 3 * qd, qkv + (size_t)last * 3 * qd, sizeof(float) * 3 * qd);
+                for (int j = 0; j < H; j++) rope_pair(q + (size_t)F * 3 * qd + (size_t)j * hd, hd, freqs, n + m - 1);
+                live[F] = b;
+                F = F + 1;
+            }
+            t_rows = seconds_now();
         }
         team_sync(&bar);
-        if (t == 0) t_rows = seconds_now();
-        for (int s = 0; s < k && !rc && !stop; s++) {
-            if (s) { /* the previous state and its draft at position N - 1 + s: fused, its query, key, value */
-                if (t == 0) {
-                    decode_add_rmsnorm(state, NULL, g[1], dim, eps, a);
-                    decode_add_rmsnorm((float*)emb_rows + (size_t)drafts[s - 1] * dim, NULL, g[2], dim, eps, a + dim);
+        for (int s = 0; F > 0 && !rc; s++) {
+            const int nf_ = F;
+            if (s) { /* each chain's previous state and its draft at position N - 1 + s: fused, query, key, value */
+                for (int f = t; f < nf_; f += T) {
+                    decode_add_rmsnorm(state + (size_t)f * dim, NULL, g[1], dim, eps, a + (size_t)f * 2 * dim);
+                    decode_add_rmsnorm((float*)emb_rows + (size_t)drafts[live[f] * kmax + s - 1] * dim, NULL, g[2], dim,
+                                       eps, a + (size_t)f * 2 * dim + dim);
                 }
                 team_sync(&bar);
-                rc = team_gemm(kind, arith, w[1], dim, 2 * dim, a, 1, zc, ws, t, &bar);
+                rc = team_gemm_rows(kind, arith, w[1], dim, 2 * dim, a, nf_, zc, ws, t, &bar);
                 team_sync(&bar);
-                if (t == 0) decode_add_rmsnorm(zc, NULL, g[3], dim, eps, xq);
+                for (int f = t; f < nf_; f += T) decode_add_rmsnorm(zc + (size_t)f * dim, NULL, g[3], dim, eps, xq + (size_t)f * dim);
                 team_sync(&bar);
-                if (!rc) rc = team_gemm(kind, arith, w[2], 3 * qd, dim, xq, 1, q, ws, t, &bar);
+                if (!rc) rc = team_gemm_rows(kind, arith, w[2], 3 * qd, dim, xq, nf_, q, ws, t, &bar);
                 team_sync(&bar);
-                for (int j = t; j < H && !rc; j += T) {
-                    float* kr = kc + ((size_t)j * cap + N + s - 1) * hd;
-                    rope_pair(q + (size_t)j * hd, hd, freqs, N - 1 + s);
-                    memcpy(kr, q + qd + (size_t)j * hd, sizeof(float) * hd);
+                for (int fj = t; fj < nf_ * H && !rc; fj += T) {
+                    const int f = fj / H, j = fj % H, b = live[f], N = meta[4 * b] + meta[4 * b + 1];
+                    const int cap = meta[4 * b + 3];
+                    float* qf = q + (size_t)f * 3 * qd;
+                    float* kr = kcs[b] + ((size_t)j * cap + N + s - 1) * hd;
+                    rope_pair(qf + (size_t)j * hd, hd, freqs, N - 1 + s);
+                    memcpy(kr, qf + qd + (size_t)j * hd, sizeof(float) * hd);
                     rope_pair(kr, hd, freqs, N - 1 + s);
-                    memcpy(vc + ((size_t)j * cap + N + s - 1) * hd, q + 2 * qd + (size_t)j * hd, sizeof(float) * hd);
+                    memcpy(vcs[b] + ((size_t)j * cap + N + s - 1) * hd, qf + 2 * qd + (size_t)j * hd, sizeof(float) * hd);
                 }
                 team_sync(&bar);
             }
-            const int keys = N + s;
-            for (int j = t; j < H && !rc; j += T) { /* head j over the answer's keys and the chain's so far */
-                const float* kv[2] = {kc + (size_t)j * cap * hd, vc + (size_t)j * cap * hd};
-                const int count = keys;
-                attend_runs(q + (size_t)j * hd, hd, scale, 1, &kv[0], &kv[1], &count, sc + (size_t)j * (N + k),
-                            att + (size_t)j * hd);
+            for (int fj = t; fj < nf_ * H && !rc; fj += T) { /* chain f, head j: its answer's keys and its own */
+                const int f = fj / H, j = fj % H, b = live[f], cap = meta[4 * b + 3];
+                const float* kv[2] = {kcs[b] + (size_t)j * cap * hd, vcs[b] + (size_t)j * cap * hd};
+                const int count = meta[4 * b] + meta[4 * b + 1] + s;
+                attend_runs(q + (size_t)f * 3 * qd + (size_t)j * hd, hd, scale, 1, &kv[0], &kv[1], &count,
+                            sc + (size_t)fj * keys, att + (size_t)f * qd + (size_t)j * hd);
             }
             team_sync(&bar);
-            if (!rc) rc = team_gemm(kind, arith, w[3], dim, qd, att, 1, o, ws, t, &bar);
+            if (!rc) rc = team_gemm_rows(kind, arith, w[3], dim, qd, att, nf_, o, ws, t, &bar);
             team_sync(&bar);
-            if (t == 0) { /* o = z + W_o attn: the residual after attention */
-                for (int i = 0; i < dim; i++) o[i] += zc[i];
-                decode_add_rmsnorm(o, NULL, g[4], dim, eps, xm);
+            for (int f = t; f < nf_ && !rc; f += T) { /* o = z + W_o attn: the residual after attention */
+                float* of = o + (size_t)f * dim;
+                for (int i = 0; i < dim; i++) of[i] += zc[(size_t)f * dim + i];
+                decode_add_rmsnorm(of, NULL, g[4], dim, eps, xm + (size_t)f * dim);
             }
             team_sync(&bar);
-            if (!rc) rc = team_gemm(kind, arith, w[4], 2 * hidden, dim, xm, 1, gu, ws, t, &bar);
+            if (!rc) rc = team_gemm_rows(kind, arith, w[4], 2 * hidden, dim, xm, nf_, gu, ws, t, &bar);
             team_sync(&bar);
             if (!rc) {
                 const int i0 = hidden / 8 * t / T * 8, i1 = t == T - 1 ? hidden : hidden / 8 * (t + 1) / T * 8;
-                silu_mul_range(gu, hidden, act, i0, i1);
+                for (int f = 0; f < nf_; f++)
+                    silu_mul_range(gu + (size_t)f * 2 * hidden, hidden, act + (size_t)f * hidden, i0, i1);
             }
             team_sync(&bar);
-            if (!rc) rc = team_gemm(kind, arith, w[5], dim, hidden, act, 1, dn, ws, t, &bar);
+            if (!rc) rc = team_gemm_rows(kind, arith, w[5], dim, hidden, act, nf_, dn, ws, t, &bar);
             team_sync(&bar);
-            if (t == 0) decode_add_rmsnorm(o, dn, g[5], dim, eps, state);
+            for (int f = t; f < nf_ && !rc; f += T)
+                decode_add_rmsnorm(o + (size_t)f * dim, dn + (size_t)f * dim, g[5], dim, eps, state + (size_t)f * dim);
             team_sync(&bar);
-            if (!rc) rc = team_gemm(kind, arith, w[6], n_vocab, dim, state, 1, logits, ws, t, &bar);
+            if (!rc) rc = team_gemm_rows(kind, arith, w[6], n_vocab, dim, state, nf_, logits, ws, t, &bar);
             team_sync(&bar);
-            if (t == 0 && !rc) {
+            for (int f = t; f < nf_ && !rc; f += T) {
                 int64_t best;
-                rows_argmax(logits, 1, n_vocab, &best);
-                drafts[s] = (int)best;
+                rows_argmax(logits + (size_t)f * n_vocab, 1, n_vocab, &best);
+                drafts[live[f] * kmax + s] = (int)best;
             }
             team_sync(&bar);
-            if (!rc) { /* the draft's probability: 1 / sum(exp(logit - its logit)), each thread a share */
-                const float top = logits[drafts[s]];
+            if (!rc) { /* each draft's probability: 1 / sum(exp(logit - its logit)), each thread a share */
                 const int i0 = (int)((int64_t)n_vocab * t / T), i1 = (int)((int64_t)n_vocab * (t + 1) / T);
-                float sum = 0.0f;
-                for (int i = i0; i < i1; i++) sum += exp_ieee(logits[i] - top);
-                part[t] = sum;
+                for (int f = 0; f < nf_; f++) {
+                    const float* lf = logits + (size_t)f * n_vocab;
+                    const float top = lf[drafts[live[f] * kmax + s]];
+                    float sum = 0.0f;
+                    for (int i = i0; i < i1; i++) sum += exp_ieee(lf[i] - top);
+                    part[(size_t)f * T + t] = sum;
+                }
             }
             team_sync(&bar);
-            if (t == 0 && !rc) {
-                float sum = 0.0f;
-                for (int u = 0; u < T; u++) sum += part[u];
-                probs[s] = 1.0f / sum;
-                reached *= probs[s];
-                made = s + 1;
-                if (reached < floor_p) stop = 1;
+            if (t == 0 && !rc) { /* the probabilities; the chains that go on keep their states, in order */
+                int kept = 0;
+                for (int f = 0; f < nf_; f++) {
+                    const int b = live[f];
+                    float sum = 0.0f;
+                    for (int u2 = 0; u2 < T; u2++) sum += part[(size_t)f * T + u2];
+                    probs[b * kmax + s] = 1.0f / sum;
+                    reached[b] *= probs[b * kmax + s];
+                    made[b] = s + 1;
+                    if (reached[b] < floor_p || s + 1 >= meta[4 * b + 2]) continue;
+                    if (kept != f) memcpy(state + (size_t)kept * dim, state + (size_t)f * dim, sizeof(float) * dim);
+                    live[kept++] = b;
+                }
+                F = kept;
             }
             team_sync(&bar);
         }
@@ -1018,7 +1083,7 @@ int attn_head_chain(const int* dims, float eps, float scale, const uint8_t** w, 
     free(buf);
     seconds[0] = t_rows - t0;
     seconds[1] = seconds_now() - t_rows;
-    return rc_all ? rc_all : made;
+    return rc_all;
 }
 
 void rows_argmax(const float* x, int M, int N, int64_t* out) {

@@ -162,9 +162,9 @@ class _Library:
         self.rows_argmax.argtypes, self.rows_argmax.restype = [p, i, i, p], None
         self.mtp_head_step = self.lib.mtp_head_step
         self.mtp_head_step.argtypes, self.mtp_head_step.restype = [i, p, f, p, p, p, p, p, p], ctypes.c_int
-        self.attn_head_chain = self.lib.attn_head_chain
-        self.attn_head_chain.argtypes = [p, f, f, p, p, p, p, p, p, p, p, p, f, p, p, p]
-        self.attn_head_chain.restype = ctypes.c_int
+        self.attn_head_chains = self.lib.attn_head_chains
+        self.attn_head_chains.argtypes = [i, p, p, f, f, p, p, p, p, p, p, p, p, p, f, p, p, p, p]
+        self.attn_head_chains.restype = ctypes.c_int
         self.attn_head_tree_level = self.lib.attn_head_tree_level
         self.attn_head_tree_level.argtypes = [p, f, f, p, p] + [p] * 12
         self.attn_head_tree_level.restype = ctypes.c_int

@@ -23,9 +23,10 @@ last two tokens or more match earlier ones, else the heads' chain (speculative.p
 with an acceptance estimate of its own. "mtp-attn" and "mtp-attn-ngram" are "mtp" and "mtp-ngram" with the
 attention head (spec/attn_drafter.py): each job then drafts from its own `AttnChain`, which the engine feeds
 every sampled token with the features of the row that chose it (`JobDrafts.feed`). That head drafts before the
-planner decides: its chain stops where the product of its drafts' probabilities falls below what a row must
-earn (`DraftPlanner.floor`), and the planner keeps as many as pay by those probabilities (`Confidence`; the
-head is calibrated, docs/speculative.md), where the MLP heads' k comes from a running acceptance estimate
+planner decides, every such job's chain of the step in one call (`AttnDrafter.draft_many`): each chain stops
+where the product of its drafts' probabilities falls below what a row must earn (`DraftPlanner.floor`), and the
+planner keeps as many as pay by those probabilities (`Confidence`; the head is calibrated, docs/speculative.md),
+where the MLP heads' k comes from a running acceptance estimate
 (a fixed k, as `bench spec --draft-k` measures acceptance, drafts exactly k from either). "mtp-attn-tree" grows
 "mtp-tree"'s trees from that chain, and "mtp-attn-ngram-tree" adds prompt lookup's chain to each tree as a
 branch where the last two tokens match (`TreeDrafter.grow`'s `lookup`).
@@ -188,7 +189,7 @@ class StepDrafter:
         decodes = [(c, j) for c, j in zip(out.chunks, jobs)
                    if j is not None and not j.done and c.samples and c.end - c.start == 1]
         # (chunk, job, what prompt lookup or the attention head offers, or the room left; its estimate)
-        cands, limits = [], []
+        cands, limits, asks = [], [], []
         lookups = {}  # chunk -> prompt lookup's chain, a branch of its tree
         for chunk, job in decodes:
             d = job.drafts
@@ -210,18 +211,16 @@ class StepDrafter:
                 limits.append(self.tree.size)
             elif self.method not in ("ngram",) + TREES and job.hidden is not None and d.chain is not None \
                     and not self.fixed_k and self.size_by_confidence:  # drafted first, sized by its confidence
-                floor = self.planner.floor(len(decodes), self.head_seconds)
-                drafts = d.chain.propose(chunk.seq.token_ids, min(room, MAX_DRAFTS), floor=floor)
-                if drafts:
-                    self._head_time(self.mtp.chain_seconds, len(drafts))
-                # the job's idle count goes with it, so the planner's probes reach a chain it keeps declining
-                cands.append((chunk, job, drafts, Confidence(d.chain.probs, idle=(d.heads or d.acceptance).idle)))
-                limits.append(len(drafts))
+                asks.append((len(cands), min(room, MAX_DRAFTS)))  # every such chain below, in one call
+                cands.append((chunk, job, None, None))
+                limits.append(0)
             elif self.method not in ("ngram",) + TREES and job.hidden is not None:  # a head step per draft
                 est = d.heads or d.acceptance
                 est.step_seconds = self.head_seconds
                 cands.append((chunk, job, room, est))
                 limits.append(min(room, MAX_DRAFTS))
+        if asks:
+            self._ask_chains(cands, limits, asks, len(decodes))
         if not cands:
             return
         if self.fixed_k:
@@ -258,6 +257,21 @@ class StepDrafter:
                 job.drafts.last_tree = parents is not None
                 heads = job.drafts.heads
                 job.drafts.last_heads = heads is not None and (est is heads or isinstance(est, Confidence))
+
+    def _ask_chains(self, cands: list, limits: list, asks: list, sequences: int) -> None:
+        """The attention head's chains of the jobs at cands[i] for (i, room) in `asks`, all in one call
+        (`AttnDrafter.draft_many`), each stopping where its probability falls below what a row must earn."""
+        floor = self.planner.floor(sequences, self.head_seconds)
+        chains = [cands[i][1].drafts.chain for i, _ in asks]
+        made = self.mtp.draft_many(chains, [room for _, room in asks], floor)
+        if any(made):  # a draft's share of the call (its steps carry every chain still going)
+            self._head_time(self.mtp.chain_seconds, sum(len(d) for d in made))
+        for (i, _), chain, drafts in zip(asks, chains, made):
+            chunk, job, *_ = cands[i]
+            # the job's idle count goes with it, so the planner's probes reach a chain it keeps declining
+            idle = (job.drafts.heads or job.drafts.acceptance).idle
+            cands[i] = (chunk, job, drafts, Confidence(chain.probs, idle=idle))
+            limits[i] = len(drafts)
 
     def observe_step(self, rows: int, seconds: float, sequences: int | None = None) -> None:
         if rows:

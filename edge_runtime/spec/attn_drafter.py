@@ -123,7 +123,7 @@ class AttnDrafter:
         self.rows = lin(self.head_rows)
         self.freqs = head.theta ** (-torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim)
         self.scale = 1.0 / math.sqrt(self.head_dim)
-        # the whole draft in one C call (kernels/cpu_decode.c: attn_head_chain) where the kernels run
+        # every answer's drafts in one C call (kernels/cpu_decode.c: attn_head_chains) where the kernels run
         mats = (self.w_f or self.w_in, self.w_in, self.w_qkv, self.w_o, self.w_gate_up, self.w_down, self.rows)
         self.lib, self.chain_seconds = None, 0.0
         self.seconds = (ctypes.c_double * 2)()  # the C call's: its rows' part, its chain's
@@ -201,31 +201,69 @@ class AttnDrafter:
             drafts, chain.probs = self.chain(chain, k, floor)
             self.chain_seconds = time.perf_counter() - t0
             return drafts
-        while len(chain.pending) > 8:  # (a run of steps without drafts) eight rows a call
-            self._c_step(chain, chain.pending[:8], 0)
-            chain.pending = chain.pending[8:]
-        drafts, chain.probs = self._c_step(chain, chain.pending, k, floor)
-        self.chain_seconds = self.seconds[1]
-        chain.pending = []
-        return drafts
+        return self.draft_many([chain], [k], floor)[0]
+
+    def draft_many(self, chains: list[AttnChain], ks: list[int], floor: float = 0.0) -> list[list[int]]:
+        """`draft` for several answers at once: chains[i] drafts up to ks[i] (each stopping at `floor` on its
+        own), the drafts of each in `chains[i].probs`. Where the kernels run, in one C call (the matrices once a
+        step for all of them); `chain_seconds`: the chains' steps, all of them."""
+        out: list[list[int]] = [[] for _ in chains]
+        todo = [(i, c, min(k, self.max_depth)) for i, (c, k) in enumerate(zip(chains, ks)) if c.pending or c.n]
+        for c in chains:
+            c.probs = []  # (a chain never fed drafts nothing)
+        self.chain_seconds = 0.0
+        if self.lib is None:
+            seconds = 0.0
+            for i, chain, k in todo:
+                out[i] = self.draft(chain, k, floor)
+                seconds += self.chain_seconds
+            self.chain_seconds = seconds
+            return out
+        while any(len(c.pending) > 8 for _, c, _ in todo):  # (runs of steps without drafts) eight rows a call
+            self._c_chains([(c, c.pending[:8], 0) for _, c, _ in todo if len(c.pending) > 8])
+        if todo:
+            made = self._c_chains([(c, c.pending, k) for _, c, k in todo], floor)
+            for (i, *_), (drafts, _) in zip(todo, made):
+                out[i] = drafts
+            self.chain_seconds = self.seconds[1]
+        return out
 
     def _c_step(self, chain: AttnChain, rows: list, k: int, floor: float = 0.0) -> tuple[list[int], list[float]]:
+        """One answer's rows (at most 8) into its cache, then up to k drafts: `_c_chains` for one."""
+        return self._c_chains([(chain, rows, k)], floor)[0]
+
+    def _c_chains(self, jobs: list, floor: float = 0.0) -> list[tuple[list[int], list[float]]]:
+        """(chain, rows, k) for each answer: its rows (the first ones of its pending; at most 8) into its
+        cache, then up to k drafts, every answer in one call (kernels/cpu_decode.c: attn_head_chains); each
+        chain's pending loses the rows taken and its `probs` are its drafts'."""
         from kernels import cpu_gemv
 
-        m = len(rows)
-        h = torch.stack([r.float().reshape(-1) for r, _ in rows]) if m else torch.zeros(1)
-        e = self._emb([t for _, t in rows]).contiguous() if m else torch.zeros(1)
-        chain.reserve(chain.n + m + k)
-        dims = (ctypes.c_int * 13)(*self._dims, cpu_gemv.threads(), *self._arith, chain.n, m, k, chain.k.shape[1])
-        drafts, probs = (ctypes.c_int * max(1, k))(), (ctypes.c_float * max(1, k))()
-        made = self.lib.attn_head_chain(dims, self.eps, self.scale, self._w, self._g, h.data_ptr(), e.data_ptr(),
-                                        chain.k.data_ptr(), chain.v.data_ptr(), self.freqs.data_ptr(),
-                                        self.head_rows.data_ptr(), chain.zlast.data_ptr(), floor, drafts, probs,
-                                        self.seconds)
-        if made < 0:
-            raise ValueError(f"attn_head_chain rejected its arguments (n={chain.n}, m={m}, k={k}): rc={made}")
-        chain.n += m
-        return [self.vocab[i] for i in drafts[:made]], list(probs[:made])
+        B, kmax = len(jobs), max(1, max(k for *_, k in jobs))
+        rows = [r for _, rs, _ in jobs for r in rs]
+        h = torch.stack([r.float().reshape(-1) for r, _ in rows]) if rows else torch.zeros(1)
+        e = self._emb([t for _, t in rows]).contiguous() if rows else torch.zeros(1)
+        meta = (ctypes.c_int * (4 * B))()
+        for i, (chain, rs, k) in enumerate(jobs):
+            chain.reserve(chain.n + len(rs) + k)
+            meta[4 * i:4 * i + 4] = [chain.n, len(rs), k, chain.k.shape[1]]
+        ptrs = lambda xs: (ctypes.c_void_p * B)(*(x.data_ptr() for x in xs))  # noqa: E731
+        dims = (ctypes.c_int * 10)(*self._dims, cpu_gemv.threads(), *self._arith, kmax)
+        drafts, probs, made = (ctypes.c_int * (B * kmax))(), (ctypes.c_float * (B * kmax))(), (ctypes.c_int * B)()
+        rc = self.lib.attn_head_chains(B, dims, meta, self.eps, self.scale, self._w, self._g, h.data_ptr(),
+                                       e.data_ptr(), ptrs(c.k for c, *_ in jobs), ptrs(c.v for c, *_ in jobs),
+                                       ptrs(c.zlast for c, *_ in jobs), self.freqs.data_ptr(),
+                                       self.head_rows.data_ptr(), floor, drafts, probs, made, self.seconds)
+        if rc:
+            shapes = [tuple(meta[4 * i:4 * i + 4]) for i in range(B)]
+            raise ValueError(f"attn_head_chains rejected its arguments (n, m, k, cap: {shapes}): rc={rc}")
+        out = []
+        for i, (chain, rs, k) in enumerate(jobs):
+            chain.n += len(rs)
+            chain.pending = chain.pending[len(rs):]
+            got = range(i * kmax, i * kmax + made[i])
+            chain.probs = [probs[j] for j in got]
+            out.append(([self.vocab[drafts[j]] for j in got], chain.probs))
+        return out
 
     @torch.inference_mode()
     def absorb(self, chain: AttnChain) -> None:
@@ -270,7 +308,6 @@ class AttnDrafter:
         else:
             while chain.pending:
                 self._c_step(chain, chain.pending[:8], 0)
-                chain.pending = chain.pending[8:]
             z = chain.zlast[None].clone()
         empty = torch.empty(1, self.heads, 0, self.head_dim)
         return TreeStates(None, empty, empty, z)

@@ -6,7 +6,6 @@ import pytest
 from edge_runtime.engine.batch_engine import load_engine
 from edge_runtime.engine.scheduler import SchedulerConfig
 from edge_runtime.request import GenerationRequest, SamplingParams
-from edge_runtime.spec.attn_drafter import AttnChain
 from edge_runtime.spec.tree import TreeDrafter
 
 PASSAGES = [
@@ -197,20 +196,23 @@ def test_attention_head_chains_of_several_sequences_give_their_solo_answers(engi
     fed = [len(a) + (len(a) < r.params.max_tokens) for a, r in zip(alone, requests)]
     assert [c.n + len(c.pending) for c in chains] == fed
     # prompt lookup where the last two tokens match, else the attention head's chain, sized by the head's
-    # confidence (drafted first, stopped below the planner's floor): the same answers
+    # confidence (drafted first, stopped below the planner's floor; every such chain of a step in one call):
+    # the same answers
     chains.clear()
-    calls, propose = [], AttnChain.propose
+    calls, sizes, draft_many = [], [], type(drafter).draft_many
 
-    def spy(self, history, k, hidden=None, floor=0.0):
-        out = propose(self, history, k, hidden, floor)
-        calls.append((min(k, drafter.max_depth), floor, len(out)))
+    def spy(self, chains_, ks, floor=0.0):
+        out = draft_many(self, chains_, ks, floor)
+        sizes.append(len(chains_))
+        calls.extend((min(k, drafter.max_depth), floor, len(d)) for k, d in zip(ks, out))
         return out
-    monkeypatch.setattr(AttnChain, "propose", spy)
+    monkeypatch.setattr(type(drafter), "draft_many", spy)
     assert run(engine, "mtp-attn-ngram", requests, after=[0, 0, 3, 7, 7], mtp=drafter) == alone
-    monkeypatch.setattr(AttnChain, "propose", propose)
+    monkeypatch.setattr(type(drafter), "draft_many", draft_many)
     assert [c.n + len(c.pending) for c in chains] == fed
     assert calls and all(floor >= 0 for _, floor, _ in calls) and any(floor > 0 for _, floor, _ in calls)
     assert any(0 < made < k for k, _, made in calls) and any(made == k for k, _, made in calls)
+    assert max(sizes) >= 2  # several sequences' chains in one call
     assert engine.drafter.prior.alpha != 0.5 and engine.drafter.heads_prior.alpha != 0.5  # both sources drafted
     # trees grown from each job's chain (--draft mtp-attn-tree): the accepted path's rows feed it, nothing else
     chains.clear()
