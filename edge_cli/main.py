@@ -30,7 +30,8 @@ def _add_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
                             "mtp-attn-tree = that head's draft trees (native), mtp-attn-ngram-tree = those with "
                             "prompt lookup's chain as a branch, "
                             "ngram = prompt lookup; "
-                            "auto = mtp-ngram where heads ship, else ngram (native), else none")
+                            "auto = mtp-attn-ngram where the attention head ships, else mtp-ngram where heads ship, "
+                            "else ngram (native), else none")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: the device profile's, one per "
                    "physical core)")
     p.add_argument("--ctx", type=int, default=4096, help="context window in tokens")

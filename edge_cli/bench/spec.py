@@ -13,8 +13,8 @@ acceptance figures) and of the adaptive size (what `--draft mtp-tree` gives; MT-
 head's chains and prompt lookup with them, each at the fixed k and the adaptive length (`--draft mtp-attn`,
 `mtp-attn-ngram`), and its trees, alone and with prompt lookup's chain as a branch, at the fixed and the adaptive
 size (`mtp-attn-tree`, `mtp-attn-ngram-tree`; where that head ships), n-gram
-on both engines, `--draft auto` (the default: `mtp-ngram` with the adaptive length where heads ship,
-else n-gram), and llama.cpp plain
+on both engines, `--draft auto` (the default: `mtp-attn-ngram` with the adaptive length where the attention
+head ships, else `mtp-ngram` where the MLP heads do, else n-gram), and llama.cpp plain
 on the same GGUF with the same threads, in a worker process of its own (`LlamaWorker`: in this
 process llama.cpp's OpenMP threads would share libgomp with the native engine's, whose second thread
 pool puts libgomp's spin-waits into their throttled, near-passive mode: llama.cpp then decodes 3-4x

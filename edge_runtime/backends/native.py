@@ -315,17 +315,20 @@ class NativeBackend(Backend):
     def set_draft(self, name: str, k: int | None = None, allow_inexact: bool = False) -> None:
         """Drafting in the engine's steps: one of DRAFTERS (speculative.py; "mtp-attn*": the attention head's chains,
         alone or after prompt lookup, or its trees); `k` fixes the draft length or tree size (default: the planner's).
-        "auto": where the fused C step runs, "mtp-ngram" (prompt lookup where the last two tokens or more match, else
-        the heads' chain) when heads ship, "ngram" when none do; else none."""
+        "auto": where the fused C step runs, "mtp-attn-ngram" (prompt lookup where the last two tokens or more match,
+        else the attention head's chain) where that head ships, else "mtp-ngram" (the MLP heads) where they do,
+        "ngram" where none do; else none."""
         from edge_runtime.spec.attn_drafter import AttnDrafter
+        from edge_runtime.spec.attn_head import FORMAT as ATTN_FORMAT
         from edge_runtime.spec.mtp import MtpDrafter, find_heads
         from edge_runtime.spec.speculative import DRAFTERS
 
         if name not in DRAFTERS:
             raise InvalidRequestError(f"unknown draft method {name!r}: choose one of {', '.join(DRAFTERS)}")
         engine = self.engine
-        if name == "auto":  # fastest on MT-Bench, level with n-gram on grounded work (bench spec)
-            name = "none" if engine.model.fused is None else "mtp-ngram" if find_heads(self) else "ngram"
+        if name == "auto":  # fastest alone (bench spec) and in the worker's batches (bench batching --draft)
+            name = ("none" if engine.model.fused is None else "mtp-attn-ngram" if find_heads(self, ATTN_FORMAT)
+                    else "mtp-ngram" if find_heads(self) else "ngram")
         mtp = None
         if name.startswith("mtp"):  # mtp-attn*: the attention head (spec/attn_drafter.py); else the MLP heads
             kind, attr = (AttnDrafter, "_attn_drafter") if name.startswith("mtp-attn") else (MtpDrafter, "_mtp_drafter")

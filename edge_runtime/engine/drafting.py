@@ -18,18 +18,18 @@ level by level): its nodes are the rows after the decode token, each attending o
 (`draft_children`); the accepted path's K/V then move onto the first lookahead slots (`keep_tree_path`)
 and everything else is truncated as a rejected chain would be. The planner sizes each tree by what
 trees of each size would have earned the sequence so far (`TreeGain`, scored against its answer).
-"mtp-ngram" (what `--draft auto` runs where heads ship) gives each sequence prompt lookup's chain where its
-last two tokens or more match earlier ones, else the heads' chain (speculative.py `LookupThenHeads`), each
-with an acceptance estimate of its own. "mtp-attn" and "mtp-attn-ngram" are "mtp" and "mtp-ngram" with the
-attention head (spec/attn_drafter.py): each job then drafts from its own `AttnChain`, which the engine feeds
-every sampled token with the features of the row that chose it (`JobDrafts.feed`). That head drafts before the
-planner decides, every such job's chain of the step in one call (`AttnDrafter.draft_many`): each chain stops
-where the product of its drafts' probabilities falls below what a row must earn (`DraftPlanner.floor`), and the
-planner keeps as many as pay by those probabilities (`Confidence`; the head is calibrated, docs/speculative.md),
-where the MLP heads' k comes from a running acceptance estimate
-(a fixed k, as `bench spec --draft-k` measures acceptance, drafts exactly k from either). "mtp-attn-tree" grows
-"mtp-tree"'s trees from that chain, and "mtp-attn-ngram-tree" adds prompt lookup's chain to each tree as a
-branch where the last two tokens match (`TreeDrafter.grow`'s `lookup`).
+"mtp-ngram" (what `--draft auto` runs where only the MLP heads ship) gives each sequence prompt lookup's chain
+where its last two tokens or more match earlier ones, else the heads' chain (speculative.py
+`LookupThenHeads`), each with an acceptance estimate of its own. "mtp-attn" and "mtp-attn-ngram" (`auto` where
+it ships) are "mtp" and "mtp-ngram" with the attention head (spec/attn_drafter.py): each job then drafts from
+its own `AttnChain`, which the engine feeds every sampled token with the features of the row that chose it
+(`JobDrafts.feed`). That head drafts before the planner decides, every such job's chain of the step in one
+call (`AttnDrafter.draft_many`): each chain stops where the product of its drafts' probabilities falls below
+what a row must earn (`DraftPlanner.floor`), and the planner keeps as many as pay by those probabilities
+(`Confidence`; the head is calibrated, docs/speculative.md), where the MLP heads' k comes from a running
+acceptance estimate (a fixed k, as `bench spec --draft-k` measures acceptance, drafts exactly k from either).
+"mtp-attn-tree" grows "mtp-tree"'s trees from that chain, and "mtp-attn-ngram-tree" adds prompt lookup's chain
+to each tree as a branch where the last two tokens match (`TreeDrafter.grow`'s `lookup`).
 
 It knows nothing about requests, text or the model's arithmetic.
 """

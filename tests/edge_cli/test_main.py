@@ -44,7 +44,7 @@ def test_generate_draft_flag_same_answer_with_draft_stats():
         assert p.returncode == 0, p.stderr
         outs[draft] = json.loads(p.stdout)
     assert outs["none"]["draft"] == {"method": "none"}
-    assert outs["auto"]["draft"]["method"] == "mtp-ngram" and outs["mtp"]["draft"]["method"] == "mtp"
+    assert outs["auto"]["draft"]["method"] == "mtp-attn-ngram" and outs["mtp"]["draft"]["method"] == "mtp"
     assert outs["auto"]["draft"]["verify_steps"] > 0 and outs["auto"]["draft"]["accepted"] > 0
     assert outs["auto"]["token_ids"] == outs["none"]["token_ids"] == outs["mtp"]["token_ids"]
     p = run("generate", "--backend", "llama.cpp", "--draft", "mtp", "--max-tokens", "4", "Hi")

@@ -103,8 +103,8 @@ def test_draft_trees_of_several_sequences_in_one_step_give_their_solo_plain_answ
     assert max(log) >= 2 and after["accepted"] > before["accepted"]
     assert engine.scheduler.stats()["num_running"] == 0 and not engine.jobs
     engine.blocks.check_invariants()
-    # mtp-ngram (what --draft auto runs): prompt lookup where the last two tokens match, the heads' chains
-    # elsewhere, each source learning its own acceptance; the same answers
+    # mtp-ngram (what --draft auto runs where only the MLP heads ship): prompt lookup where the last two tokens
+    # match, the heads' chains elsewhere, each source learning its own acceptance; the same answers
     before = engine.draft_stats()
     assert run(engine, "mtp-ngram", requests, after=[0, 0, 3, 7], mtp=mtp) == alone
     assert engine.draft_stats()["verifications"] > before["verifications"]

@@ -56,7 +56,7 @@ def test_concurrent_greedy_answers_share_steps_and_equal_each_one_alone(gw, clie
     assert engine["max_sequences"] >= 2, engine  # steps really carried several requests
     assert "concurrent requests share decode steps (up to 8 sequences per step)" in gw.banner
     assert engine["num_running"] == 0 and engine["num_jobs"] == 0
-    assert engine["draft"]["method"] == "mtp-ngram"  # serve's --draft auto: lookup, else the heads, in the shared steps
+    assert engine["draft"]["method"] == "mtp-attn-ngram"  # serve's --draft auto: lookup, else the attention head
 
 
 def test_a_short_request_does_not_wait_for_a_long_answer(client):
