@@ -316,26 +316,23 @@ class NativeBackend(Backend):
         """Drafting in the engine's steps: one of DRAFTERS (speculative.py; "mtp-attn*": the attention head's chains,
         alone or after prompt lookup, or its trees); `k` fixes the draft length or tree size (default: the planner's).
         "auto": where the fused C step runs, "mtp-attn-ngram" (prompt lookup where the last two tokens or more match,
-        else the attention head's chain) where that head ships, else "mtp-ngram" (the MLP heads) where they do,
-        "ngram" where none do; else none."""
-        from edge_runtime.spec.attn_drafter import AttnDrafter
-        from edge_runtime.spec.attn_head import FORMAT as ATTN_FORMAT
+        else the attention head's chain) where that head ships, else "mtp-ngram" (the MLP heads), else "ngram"."""
+        from edge_runtime.spec.attn_drafter import FORMAT as ATTN_FORMAT, AttnDrafter
         from edge_runtime.spec.mtp import MtpDrafter, find_heads
         from edge_runtime.spec.speculative import DRAFTERS
 
         if name not in DRAFTERS:
             raise InvalidRequestError(f"unknown draft method {name!r}: choose one of {', '.join(DRAFTERS)}")
-        engine = self.engine
         if name == "auto":  # fastest alone (bench spec) and in the worker's batches (bench batching --draft)
-            name = ("none" if engine.model.fused is None else "mtp-attn-ngram" if find_heads(self, ATTN_FORMAT)
+            name = ("none" if self.engine.model.fused is None else "mtp-attn-ngram" if find_heads(self, ATTN_FORMAT)
                     else "mtp-ngram" if find_heads(self) else "ngram")
         mtp = None
         if name.startswith("mtp"):  # mtp-attn*: the attention head (spec/attn_drafter.py); else the MLP heads
-            kind, attr = (AttnDrafter, "_attn_drafter") if name.startswith("mtp-attn") else (MtpDrafter, "_mtp_drafter")
+            kind, attr = (AttnDrafter, "_attn_drafter") if "attn" in name else (MtpDrafter, "_mtp_drafter")
             mtp = getattr(self, attr, None) or kind.for_backend(self)
             setattr(self, attr, mtp)
         try:
-            engine.set_draft(name, mtp=mtp, fixed_k=k)
+            self.engine.set_draft(name, mtp=mtp, fixed_k=k)
         except ValueError as e:
             raise InvalidRequestError(str(e)) from None
         self.draft = name
