@@ -866,9 +866,9 @@ static int team_gemm_rows(int kind, int arith, const uint8_t* w, int N, int K, c
 /* The attention draft head (edge_runtime/spec/attn_drafter.py) for B answers in one call, as mtp_head_step is
  * the MLP heads': every answer's rows fed since its last chain go into its key/value cache, then each answer's
  * chain of drafts, the answers' steps s side by side (each matrix once a step for all of them: its weights are
- * read once, not B times). Answer b (meta[4 b ..]: n, m, k, cap): its m <= 8 rows (the model's features h
- * [m, parts * dim] and their tokens' embeddings e [m, dim], the answers' rows one after another in h and e) go
- * into its cache (kcs[b], vcs[b]: [heads, cap, head_dim]) at positions n..n+m-1; its chain of k drafts starts at
+ * read once, not B times). Answer b (meta[4 b ..]: n, m, k, cap): its m <= 8 rows (the model's features, hrows:
+ * a pointer to each row's parts * dim floats, and their tokens' embeddings, erows: to each one's dim floats; the
+ * answers' rows one after another, pointers so that the caller gathers nothing) go into its cache (kcs[b], vcs[b]: [heads, cap, head_dim]) at positions n..n+m-1; its chain of k drafts starts at
  * the last of them (m = 0: at zlasts[b], the last position's fused input, kept from the call before; k = 0: the
  * rows alone). Step s >= 1 reads the previous step's state and the embedding of its draft (emb_rows [n_vocab,
  * dim]) at position n + m - 1 + s; its key and value go to cache slot n + m + s - 1, past the answer's (scratch:
@@ -883,7 +883,8 @@ static int team_gemm_rows(int kind, int arith, const uint8_t* w, int N, int K, c
  * norms decode_add_rmsnorm's, the attention fp32 (dot, exp_ieee): the drafts agree with the torch reference's
  * to float rounding. Returns 0, a GEMV's rc (< 0), -1 (bad shapes) or -2 (memory). */
 int attn_head_chains(int B, const int* dims, const int* meta, float eps, float scale, const uint8_t** w,
-                     const float** g, const float* h, const float* e, float** kcs, float** vcs, float** zlasts,
+                     const float** g, const float* const* hrows, const float* const* erows, float** kcs, float** vcs,
+                     float** zlasts,
                      const float* freqs, const float* emb_rows, float floor_p, int* drafts, float* probs, int* made,
                      double* seconds) {
     const double t0 = seconds_now();
@@ -904,7 +905,7 @@ int attn_head_chains(int B, const int* dims, const int* meta, float eps, float s
     kw = kw > hidden ? kw : hidden;
     kw = kw > qd ? kw : qd;
     const int T0 = nt < MAX_TEAM ? nt : MAX_TEAM;
-    const size_t nf = (size_t)R * ((size_t)parts * dim + 4 * dim) + (size_t)P * (2 * dim + 3 * (size_t)qd)
+    const size_t nf = (size_t)R * (2 * (size_t)parts * dim + 5 * dim) + (size_t)P * (2 * dim + 3 * (size_t)qd)
                       + (size_t)B * (7 * (size_t)dim + 4 * (size_t)qd + 3 * (size_t)hidden + n_vocab + (size_t)H * keys
                                      + T0);
     float* buf;
@@ -929,6 +930,8 @@ int attn_head_chains(int B, const int* dims, const int* meta, float eps, float s
     float* logits = state + (size_t)B * dim;         /* [B, n_vocab] */
     float* sc = logits + (size_t)B * n_vocab;        /* [B, H, keys]: scores */
     float* part = sc + (size_t)B * H * keys;         /* [B, threads]: shares of each softmax's sum */
+    float* h = part + (size_t)B * T0;                /* [R, parts * dim]: the rows' features, gathered */
+    float* e = h + (size_t)R * parts * dim;          /* [R, dim]: their tokens' embeddings, gathered */
     int live[64], fill[64], first[64];               /* the chains still drafting (answer b), rows before b */
     double reached[64];                              /* each chain's product of its drafts' probabilities */
     for (int b = 0, r = 0, p = 0; b < B; b++) {
@@ -947,6 +950,11 @@ int attn_head_chains(int B, const int* dims, const int* meta, float eps, float s
     {
         const int t = team_enter(&bar), T = bar.n;
         int rc = 0;
+        for (int r = t; r < R; r += T) {             /* the rows, from wherever the caller keeps them */
+            memcpy(h + (size_t)r * parts * dim, hrows[r], sizeof(float) * parts * dim);
+            memcpy(e + (size_t)r * dim, erows[r], sizeof(float) * dim);
+        }
+        team_sync(&bar);
         if (R > 0)
             rc = team_head_input(R, dim, parts, eps, kind, arith, w[0], w[1], g[0], g[1], g[2], h, e, u, hf, a, zr, ws,
                                  t, &bar);

@@ -131,6 +131,15 @@ def test_chains_of_several_answers_in_one_call_draft_what_each_drafts_alone():
         assert any(0 < len(d) < k for d, k in zip(many, ks))  # some stopped short, others went on
         fresh = drafter.new_chain()  # never fed: no position to start from, so no drafts (and no call for it)
         assert drafter.draft_many([fresh, together[0]], [2, 2]) == [[], one[0][:2]] and fresh.probs == []
+    chain = c.new_chain()  # the C call reads each fed row where it lies: a row of the wrong size is refused
+    chain.feed(torch.randn(2 * DIM), 3)
+    with pytest.raises(ValueError, match="a fed row has 128 features; the head reads 3 x 64"):
+        c.draft_many([chain], [2])
+    chain.feed(torch.randn(3 * DIM, 2)[:, 0], 4)  # a strided view: copied first, the drafts those of its copy
+    alone = c.new_chain()
+    alone.feed(chain.pending[1][0].contiguous(), 4)
+    chain.pending = chain.pending[1:]
+    assert c.draft_many([chain], [3]) == c.draft_many([alone], [3])
 
 
 def offline_probs(head, table, feats, tokens, t, drafts):
