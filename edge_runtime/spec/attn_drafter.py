@@ -101,7 +101,7 @@ class AttnDrafter:
     name = "mtp-attn"
     needs_hidden = True
 
-    def __init__(self, head: AttnDraftHead, embed, fast: bool = True, c_step: bool = True):
+    def __init__(self, head: AttnDraftHead, embed, fast: bool = True, c_step: bool = True, qtype: str = "q8_0"):
         if head.more:
             raise ValueError(f"the attention drafter runs heads of one decoder layer; this one has {len(head.layers)} "
                              "decoder layers (train-mtp --layers: measured offline only)")
@@ -116,7 +116,7 @@ class AttnDrafter:
         self.g_h, self.g_e, self.g_a, self.g_m, self.g_o = (g(p) for p in (head.g_h, head.g_e, head.g_a, head.g_m,
                                                                           head.g_o))
         self.g_f = g(head.g_f) if self.taps else None
-        lin = lambda w: Q8Linear(w, fast)  # noqa: E731
+        lin = lambda w: Q8Linear(w, fast, qtype=qtype)  # noqa: E731
         self.w_f = lin(head.w_f.weight) if self.taps else None
         self.w_in, self.w_qkv, self.w_o = lin(head.w_in.weight), lin(head.w_qkv.weight), lin(head.w_o.weight)
         self.w_gate_up, self.w_down = lin(head.w_gate_up.weight), lin(head.w_down.weight)

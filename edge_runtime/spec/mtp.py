@@ -162,21 +162,23 @@ class Q8Linear:
     `kind` (cpu_decode.c's code: + 16 packed) and `integer` (its arith) for C steps; `blocks` None on fp32.
     `integer` False: the fp32 GEMVs even where the integer kernels run (None: the integer ones where they do)."""
 
-    def __init__(self, w: torch.Tensor, fast: bool = True, integer: bool | None = None):
+    def __init__(self, w: torch.Tensor, fast: bool = True, integer: bool | None = None, qtype: str = "q8_0"):
+        from kernels.cpu_qgemm import KIND_CODE
+
         self.w = w.detach().float().contiguous()
         self.out_f, in_f = self.w.shape
-        self.blocks, self.integer, self.kind = None, False, 8  # 8: q8_0
+        self.qtype, self.blocks, self.integer, self.kind = qtype, None, False, KIND_CODE[qtype]  # q4_0: 4-bit blocks
         if fast:
             from kernels import cpu_gemv, cpu_qgemm
 
             if cpu_gemv.available() and in_f % 32 == 0:
                 import gguf
 
-                q = gguf.quants.quantize(self.w.numpy(), gguf.GGMLQuantizationType.Q8_0)
+                q = gguf.quants.quantize(self.w.numpy(), gguf.GGMLQuantizationType[qtype.upper()])
                 self.blocks = torch.from_numpy(np.ascontiguousarray(q))
-                self.integer = cpu_qgemm.available() and cpu_qgemm.packed_supported("q8_0") and integer is not False
+                self.integer = cpu_qgemm.available() and cpu_qgemm.packed_supported(qtype) and integer is not False
                 if self.integer:
-                    self.blocks, self.kind = cpu_qgemm.repack("q8_0", self.blocks, self.out_f, in_f), 8 + 16
+                    self.blocks, self.kind = cpu_qgemm.repack(qtype, self.blocks, self.out_f, in_f), self.kind + 16
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.blocks is None:
@@ -184,8 +186,8 @@ class Q8Linear:
         from kernels import cpu_gemv, cpu_qgemm
 
         if self.integer:
-            return cpu_qgemm.qgemm_packed("q8_0", self.blocks, x, self.out_f, num_threads=1)
-        return torch.cat([cpu_gemv.gemv("q8_0", self.blocks, x[i:i + 8], self.out_f, num_threads=1)
+            return cpu_qgemm.qgemm_packed(self.qtype, self.blocks, x, self.out_f, num_threads=1)
+        return torch.cat([cpu_gemv.gemv(self.qtype, self.blocks, x[i:i + 8], self.out_f, num_threads=1)
                           for i in range(0, x.shape[0], 8)])
 
 

@@ -216,3 +216,23 @@ def test_a_drafts_embedding_is_read_from_the_draft_vocabulary_rows(native_backen
         finally:
             drafter.row_of = row_of
         assert torch.equal(fast[0], looked_up[0]) and torch.equal(fast[1], looked_up[1])
+
+
+@pytest.mark.parametrize("qtype, ratio, err", [("q8_0", 34, 0.02), ("q4_0", 18, 0.2), ("q4_1", 20, 0.15)])
+def test_a_draft_matrix_in_4_bit_blocks_holds_fewer_bytes_and_stays_near_its_fp32_weights(qtype, ratio, err):
+    """Q8Linear's `qtype` (scripts/attn_head_q4.py measures the attention head with each): the blocks hold
+    `ratio` bytes a 32-weight block (before any repacking) and x @ w.T stays within `err` of fp32, relative."""
+    from kernels import cpu_gemv
+
+    from edge_runtime.spec.mtp import Q8Linear
+
+    if not cpu_gemv.available():
+        pytest.skip("C kernels unavailable here")
+    torch.manual_seed(0)
+    w, x = torch.randn(96, 128), torch.randn(3, 128)
+    raw = Q8Linear(w, qtype=qtype, integer=False)
+    assert raw.blocks.numel() == 96 * 128 // 32 * ratio and raw.kind == {"q8_0": 8, "q4_0": 0, "q4_1": 1}[qtype]
+    want = x @ w.T
+    for lin in (raw, Q8Linear(w, qtype=qtype)):  # the fp32 GEMVs and, where they run, the integer kernels
+        rel = float((lin(x) - want).norm() / want.norm())
+        assert 0 < rel < err, (qtype, lin.integer, rel)
