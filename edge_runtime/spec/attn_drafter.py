@@ -100,6 +100,7 @@ class AttnDrafter:
     """The attention head, loaded for drafting: shared by every answer (each has its `AttnChain`)."""
     name = "mtp-attn"
     needs_hidden = True
+    MAX_CHAINS = 64  # answers a C call takes (attn_head_chains)
 
     def __init__(self, head: AttnDraftHead, embed, fast: bool = True, c_step: bool = True, qtype: str = "q8_0"):
         if head.more:
@@ -222,11 +223,12 @@ class AttnDrafter:
             return out
         while any(len(c.pending) > 8 for _, c, _ in todo):  # (runs of steps without drafts) eight rows a call
             self._c_chains([(c, c.pending[:8], 0) for _, c, _ in todo if len(c.pending) > 8])
-        if todo:
-            made = self._c_chains([(c, c.pending, k) for _, c, k in todo], floor)
-            for (i, *_), (drafts, _) in zip(todo, made):
+        for at in range(0, len(todo), self.MAX_CHAINS):  # (a batch over MAX_CHAINS: a call for each share)
+            part = todo[at:at + self.MAX_CHAINS]
+            made = self._c_chains([(c, c.pending, k) for _, c, k in part], floor)
+            for (i, *_), (drafts, _) in zip(part, made):
                 out[i] = drafts
-            self.chain_seconds = self.seconds[1]
+            self.chain_seconds += self.seconds[1]
         return out
 
     def _c_step(self, chain: AttnChain, rows: list, k: int, floor: float = 0.0) -> tuple[list[int], list[float]]:

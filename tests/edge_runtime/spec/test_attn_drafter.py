@@ -122,6 +122,11 @@ def test_chains_of_several_answers_in_one_call_draft_what_each_drafts_alone():
             assert [len(d) for d in many] == ks and many == one, (drafter.lib is not None, upto)
             assert [a.probs for a in together] == [pytest.approx(b.probs, abs=1e-5) for b in alone]
             assert [ch.n for ch in together] == [ch.n for ch in alone] == list(upto)
+        drafter.MAX_CHAINS, calls, c_chains = 2, [], drafter._c_chains  # more answers than a call takes:
+        drafter._c_chains = lambda jobs, floor=0.0: calls.append(len(jobs)) or c_chains(jobs, floor)
+        assert drafter.draft_many(together, ks) == one and [ch.n for ch in together] == [3, 12, 30, 7, 19]
+        assert calls == ([2, 2, 1] if drafter.lib is not None else [])  # a call for each share, the same drafts
+        del drafter.MAX_CHAINS, drafter._c_chains
         floor = sorted(ch.probs[0] * ch.probs[1] for ch in together if len(ch.probs) > 1)[1] * 1.001
         many = drafter.draft_many(together, ks, floor)
         for ch, drafts, k, full in zip(together, many, ks, one):
