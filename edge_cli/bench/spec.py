@@ -8,7 +8,8 @@ Two workloads, greedy, `--spec-tokens` tokens per answer, chat template on:
 Per prompt every configuration runs back to back (so drifts of the machine hit all alike):
 native plain, native MTP at a fixed k = `--draft-k` (acceptance figures), native MTP with the
 adaptive draft length (what `--draft mtp` gives), the heads with prompt lookup at the fixed k
-(`--draft mtp-ngram`'s acceptance figures; MT-Bench only), draft trees of a fixed `--tree-size` drafts (tree
+(`--draft mtp-ngram`'s acceptance figures; MT-Bench only) and adaptive (`--draft mtp-ngram`, `auto` until
+2026-12-06), draft trees of a fixed `--tree-size` drafts (tree
 acceptance figures) and of the adaptive size (what `--draft mtp-tree` gives; MT-Bench only), the attention
 head's chains and prompt lookup with them, each at the fixed k and the adaptive length (`--draft mtp-attn`,
 `mtp-attn-ngram`), and its trees, alone and with prompt lookup's chain as a branch, at the fixed and the adaptive
@@ -208,10 +209,10 @@ def run_spec_bench(args) -> int:
     has_mtp = find_heads(native) is not None
     has_attn = find_heads(native, ATTN_FORMAT) is not None
     n_tok, k, tree = args.spec_tokens, args.draft_k, args.tree_size
-    mt = {name: Tally() for name in ("plain", "mtp_k", "mtp", "mtp_ngram_k", "tree_k", "tree", "attn_k", "attn",
-                                     "attn_ngram_k", "attn_ngram", "attn_tree_k", "attn_tree", "attn_ngram_tree_k",
-                                     "attn_ngram_tree", "ngram", "auto", "llama_plain")}
-    gr = {name: Tally() for name in ("plain", "ngram", "mtp", "attn", "attn_ngram", "auto", "llama_plain",
+    mt = {name: Tally() for name in ("plain", "mtp_k", "mtp", "mtp_ngram_k", "mtp_ngram", "tree_k", "tree", "attn_k",
+                                     "attn", "attn_ngram_k", "attn_ngram", "attn_tree_k", "attn_tree",
+                                     "attn_ngram_tree_k", "attn_ngram_tree", "ngram", "auto", "llama_plain")}
+    gr = {name: Tally() for name in ("plain", "ngram", "mtp", "mtp_ngram", "attn", "attn_ngram", "auto", "llama_plain",
                                      "llama_ngram")}
     t0 = time.time()
     for i, q in enumerate(questions):
@@ -220,6 +221,7 @@ def run_spec_bench(args) -> int:
             _run(native, "mtp", k, q, n_tok, mt["mtp_k"])
             _run(native, "mtp", None, q, n_tok, mt["mtp"])
             _run(native, "mtp-ngram", k, q, n_tok, mt["mtp_ngram_k"])
+            _run(native, "mtp-ngram", None, q, n_tok, mt["mtp_ngram"])  # auto before 2026-12-06's switch
             _run(native, "mtp-tree", tree, q, n_tok, mt["tree_k"])
             _run(native, "mtp-tree", None, q, n_tok, mt["tree"])
         if has_attn:
@@ -241,6 +243,7 @@ def run_spec_bench(args) -> int:
         _run(native, "auto", None, p, n_tok, gr["auto"])
         if has_mtp:
             _run(native, "mtp", None, p, n_tok, gr["mtp"])
+            _run(native, "mtp-ngram", None, p, n_tok, gr["mtp_ngram"])
         if has_attn:
             _run(native, "mtp-attn", None, p, n_tok, gr["attn"])
             _run(native, "mtp-attn-ngram", None, p, n_tok, gr["attn_ngram"])
@@ -285,6 +288,10 @@ def run_spec_bench(args) -> int:
         res["mtp_ngram.mean_accepted"] = nk.get("mean_accepted", 0.0)
         res["mtp_ngram.acceptance_per_position"] = nk.get("acceptance_per_position", [])
         res[f"mtp_ngram.k{k}.speedup_over_plain"] = round(nk["tok_s"] / plain["tok_s"], 3)
+        na, gna = mt["mtp_ngram"].summary(mt["plain"]), gr["mtp_ngram"].summary(gr["plain"])
+        res["mt_bench"]["native_mtp_ngram"], res["grounded"]["native_mtp_ngram"] = na, gna
+        res["mtp_ngram.speedup_over_plain"] = round(na["tok_s"] / plain["tok_s"], 3)
+        res["mtp_ngram.speedup_over_plain_grounded"] = round(gna["tok_s"] / gplain["tok_s"], 3)
         ta = _trees(res, mt, tree, "mtp", "mtp_tree", "tree")
         res["mtp.tree.speedup_over_llama_cpp"] = round(ta["tok_s"] / lplain["tok_s"], 3)
     else:
