@@ -322,8 +322,7 @@ class AttnDrafter:
             self.absorb(chain)
             z = chain.z
         else:
-            while chain.pending:
-                self._c_step(chain, chain.pending[:8], 0)
+            self.draft_many([chain], [0])  # the rows alone (eight a call), no chain
             z = chain.zlast[None].clone()
         empty = torch.empty(1, self.heads, 0, self.head_dim)
         return TreeStates(None, empty, empty, z)
