@@ -703,6 +703,19 @@ void decode_kv_store_rows(void* pool, float* scales, int kind, int rotated, cons
 
 /* out[m] = the index of row m's largest value (x [M, N] fp32), as torch.argmax: the first one on ties,
  * and the first NaN if the row has one. The engine's greedy tokens for a whole step in one call. */
+/* team_gemm for any number of rows: cpu_gemv's fp32-activation GEMV takes 8 rows a call, so more go in runs of
+ * 8 (the runs share ws: each is waited for before the next). */
+static int team_gemm_rows(int kind, int arith, const uint8_t* w, int N, int K, const float* x, int M, float* y,
+                          void* ws, int t, team_barrier* b) {
+    if (arith) return team_gemm(kind, arith, w, N, K, x, M, y, ws, t, b);
+    int rc = 0;
+    for (int r = 0; r < M && !rc; r += 8) {
+        rc = team_gemm(kind, arith, w, N, K, x + (size_t)r * K, M - r < 8 ? M - r : 8, y + (size_t)r * N, ws, t, b);
+        if (r + 8 < M) team_sync(b);
+    }
+    return rc;
+}
+
 /* A draft head's input for F rows, in a team (mtp_head_step, attn_head_chain): the model's features h [F, parts *
  * dim] fused when parts > 1 (each part normed with its gain g_f, then W_f), then z = W_in [rms(h) g_h | rms(e) g_e].
  * u [F, parts * dim], hf [F, dim], a [F, 2 dim]: scratch. Returns a GEMV's rc. */
@@ -717,7 +730,7 @@ static int team_head_input(int F, int dim, int parts, float eps, int kind, int a
                 decode_add_rmsnorm((float*)h + ((size_t)f * parts + p) * dim, NULL, g_f + (size_t)p * dim, dim, eps,
                                    u + ((size_t)f * parts + p) * dim);
         team_sync(bar);
-        rc = team_gemm(kind, arith, w_f, dim, parts * dim, u, F, hf, ws, t, bar);
+        rc = team_gemm_rows(kind, arith, w_f, dim, parts * dim, u, F, hf, ws, t, bar);
         team_sync(bar);
         h = hf;
     }
@@ -727,7 +740,7 @@ static int team_head_input(int F, int dim, int parts, float eps, int kind, int a
         decode_add_rmsnorm((float*)e + (size_t)f * dim, NULL, g_e, dim, eps, a + (size_t)f * 2 * dim + dim);
     }
     team_sync(bar);
-    rc = team_gemm(kind, arith, w_in, dim, 2 * dim, a, F, z, ws, t, bar);
+    rc = team_gemm_rows(kind, arith, w_in, dim, 2 * dim, a, F, z, ws, t, bar);
     team_sync(bar);
     return rc;
 }
@@ -848,19 +861,6 @@ static double seconds_now(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-/* team_gemm for any number of rows: cpu_gemv's fp32-activation GEMV takes 8 rows a call, so more go in runs of
- * 8 (the runs share ws: each is waited for before the next). */
-static int team_gemm_rows(int kind, int arith, const uint8_t* w, int N, int K, const float* x, int M, float* y,
-                          void* ws, int t, team_barrier* b) {
-    if (arith) return team_gemm(kind, arith, w, N, K, x, M, y, ws, t, b);
-    int rc = 0;
-    for (int r = 0; r < M && !rc; r += 8) {
-        rc = team_gemm(kind, arith, w, N, K, x + (size_t)r * K, M - r < 8 ? M - r : 8, y + (size_t)r * N, ws, t, b);
-        if (r + 8 < M) team_sync(b);
-    }
-    return rc;
 }
 
 /* The attention draft head (edge_runtime/spec/attn_drafter.py) for B answers in one call, as mtp_head_step is
