@@ -287,3 +287,23 @@ def test_the_c_tree_level_grows_what_the_torch_path_on_the_same_q8_weights_grows
         assert line.tokens[1:] == chains[0].propose(tokens[:t + 1], 4)
         assert chains[0].n == chains[1].n == t + 1
     assert same >= 0.9 * total, (same, total)
+
+
+def test_chains_on_the_fp32_gemvs_take_more_than_eight_rows_in_one_call(monkeypatch):
+    """Where cpu_qgemm has no packed layout (the portable and NEON builds) the head runs cpu_gemv's fp32 GEMVs, 8
+    rows a call: several answers with more than 8 rows between them still go in one call, and draft as alone."""
+    from kernels import cpu_qgemm
+
+    monkeypatch.setattr(cpu_qgemm, "packed_supported", lambda kind: False)
+    head, table = random_head(seed=3)
+    c, _ = c_and_torch(head, table)
+    assert not c.w_in.integer
+    torch.manual_seed(6)
+    answers = [(torch.randn(8, 3 * DIM), torch.randint(0, VOCAB, (8,)).tolist()) for _ in range(3)]
+    together, alone = [c.new_chain() for _ in answers], [c.new_chain() for _ in answers]
+    for chains in (together, alone):
+        for ch, (feats, tokens) in zip(chains, answers):
+            for j in range(8):
+                ch.feed(feats[j], tokens[j])
+    many = c.draft_many(together, [3, 3, 3])  # 24 rows in one call
+    assert many == [c.draft(ch, 3) for ch in alone] and all(len(d) == 3 for d in many)
